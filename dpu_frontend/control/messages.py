@@ -1,0 +1,103 @@
+"""Control-plane messages and their framing (4-byte big-endian length + msgpack map)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from dpu_frontend.errors import LayoutMismatch, PeerError
+from dpu_frontend.ring.layout import VERSION_MAJOR
+
+MAX_FRAME = 64 * 1024
+_LENGTH = struct.Struct(">I")
+
+
+async def send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+    data = msgpack.packb(message, use_bin_type=True)
+    writer.write(_LENGTH.pack(len(data)) + data)
+    await writer.drain()
+
+
+async def receive(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """One frame; ``PeerError`` when the other side closed or sent garbage."""
+    try:
+        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+        if length > MAX_FRAME:
+            raise PeerError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+        message = msgpack.unpackb(await reader.readexactly(length), raw=False)
+    except asyncio.IncompleteReadError as exc:
+        raise PeerError("control connection closed by the other side") from exc
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise PeerError(f"undecodable control frame: {exc}") from exc
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise PeerError(f"control frame is not a message: {message!r}")
+    return message
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Daemon -> peer: which channel, over which transport, and the daemon's QP."""
+
+    transport: str  # "verbs" or "shm"
+    channel: int = -1  # -1: any free channel
+    qp: dict[str, Any] | None = None
+    protocol: int = VERSION_MAJOR
+    client: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": "hello", "protocol": self.protocol, "channel": self.channel,
+                "transport": self.transport, "qp": self.qp, "client": self.client}
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> Hello:
+        if m.get("op") != "hello":
+            raise PeerError(f"expected hello, got {m.get('op')!r}")
+        protocol, channel, transport = m.get("protocol"), m.get("channel", -1), m.get("transport")
+        if not isinstance(protocol, int) or not isinstance(channel, int):
+            raise PeerError("hello: protocol and channel must be integers")
+        if transport not in ("verbs", "shm"):
+            raise PeerError(f"hello: unknown transport {transport!r}")
+        qp = m.get("qp")
+        return cls(transport, channel, qp if isinstance(qp, dict) else None, protocol,
+                   str(m.get("client", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Peer -> daemon: the channel granted and where its region lives."""
+
+    channel: int
+    instance: int
+    region_size: int
+    region: dict[str, Any]  # verbs: {"addr", "rkey"}; shm: {"path"}
+    qp: dict[str, Any] | None = None
+    model: dict[str, Any] = field(default_factory=dict)
+    protocol: int = VERSION_MAJOR
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": "welcome", "protocol": self.protocol, "channel": self.channel,
+                "instance": self.instance, "region_size": self.region_size,
+                "region": self.region, "qp": self.qp, "model": self.model}
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> Welcome:
+        if m.get("op") == "refuse":
+            raise PeerError(f"peer refused the channel: {m.get('message')}")
+        if m.get("op") != "welcome":
+            raise PeerError(f"expected welcome, got {m.get('op')!r}")
+        if m.get("protocol") != VERSION_MAJOR:
+            raise LayoutMismatch(f"peer speaks ring protocol v{m.get('protocol')}, "
+                                 f"this daemon speaks v{VERSION_MAJOR}")
+        try:
+            return cls(int(m["channel"]), int(m["instance"]), int(m["region_size"]),
+                       dict(m["region"]), m.get("qp"), dict(m.get("model") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"malformed welcome: {exc}") from exc
+
+
+def refuse(message: str) -> dict[str, Any]:
+    return {"op": "refuse", "message": message}

@@ -1,0 +1,1 @@
+"""The daemon's core: links to GPU peers and the generation service over them."""

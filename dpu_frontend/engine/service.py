@@ -1,0 +1,81 @@
+"""Text in, text out: tokenize, submit to the GPU peer, detokenize as records arrive.
+
+The HTTP layer speaks requests and SSE; this module speaks token ids and text
+deltas. Tokenization runs on one dedicated thread: off the event loop, and a
+single thread because a ``tokenizers.Tokenizer`` must not be used from two
+threads at once ("Already borrowed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from dpu_frontend.config import ServeConfig
+from dpu_frontend.engine.link import PeerLink
+from dpu_frontend.errors import PeerError, PromptTooLong
+from dpu_frontend.ring import FinishReason, SamplingParams
+from dpu_frontend.text.detokenizer import IncrementalDetokenizer
+from dpu_frontend.text.tokenizer import Vocabulary
+
+log = logging.getLogger("dpu_frontend.engine")
+
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of one sequence; the last one carries the finish reason."""
+
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class Service:
+    def __init__(self, config: ServeConfig, vocab: Vocabulary, link: PeerLink) -> None:
+        self.config = config
+        self.vocab = vocab
+        self.link = link
+        self.max_model_len = config.max_model_len or vocab.model_max_length
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def tokenize(self, text: str) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.vocab.encode, text)
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens "
+                f"({prompt_tokens} in the prompt, {max_tokens} for the completion).",
+                param="max_tokens" if prompt_tokens < self.max_model_len else "prompt",
+                code="context_length_exceeded",
+            )
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Deltas of the generated text; the concatenation equals ``decode(generated ids)``."""
+        stream = self.link.submit(prompt, params)
+        detok = IncrementalDetokenizer(self.vocab.tokenizer)
+        count = 0
+        try:
+            async for record in stream:
+                count += len(record.tokens)
+                text = detok.push(record.tokens)
+                if not record.final:
+                    if text:
+                        yield Delta(text, None, count)
+                    continue
+                if record.finish not in FINISH_REASONS:
+                    raise PeerError(f"GPU peer ended the request with {record.finish.name}")
+                yield Delta(text + detok.finish(), FINISH_REASONS[record.finish], count)
+        finally:
+            if not stream.finished:
+                self.link.cancel(stream)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

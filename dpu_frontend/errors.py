@@ -1,0 +1,62 @@
+"""The error hierarchy.
+
+Three families, each mapping to one HTTP status and one OpenAI-style error
+body at the request boundary (``dpu_frontend.http.errors``):
+
+* ``RequestError``: the client's mistake (bad input, too long). 4xx.
+* ``PeerError``: the GPU side failed (QP in error, completion error, peer
+  gone, protocol violation). 503 before the first byte, an error event after.
+* ``StartupError``: configuration or environment that cannot work. The
+  process exits 1 with the message.
+"""
+
+from __future__ import annotations
+
+
+class DpuFrontendError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class RequestError(DpuFrontendError):
+    """A per-request failure caused by what the client sent."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class PromptTooLong(RequestError):
+    """The prompt cannot fit the model context or the peer's prompt arena."""
+
+
+class PeerError(DpuFrontendError):
+    """The GPU peer cannot serve: the link is down or broke mid-request."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class ProtocolError(PeerError):
+    """The peer's memory holds something the ring protocol forbids."""
+
+
+class LayoutMismatch(ProtocolError):
+    """The peer's layout record is not one this daemon speaks (magic, version, geometry)."""
+
+
+class TransportError(PeerError):
+    """An RDMA operation (or its shm twin) failed."""
+
+
+class StartupError(DpuFrontendError):
+    """A fatal configuration or environment problem found at start-up."""

@@ -1,0 +1,1 @@
+"""HTTP in and SSE out: the OpenAI-compatible API."""

@@ -1,0 +1,232 @@
+"""The layout record: what the GPU side publishes at offset 0 of its region.
+
+The daemon reads it once per connection (an RDMA READ, or a copy over shm)
+and refuses to run on anything it does not understand: a wrong magic, another
+major version or a geometry that points outside the region is a
+``LayoutMismatch`` at start-up, never silent corruption. docs/protocol.md,
+section "Layout record", is the byte-by-byte specification.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from dpu_frontend.errors import LayoutMismatch
+
+MAGIC = b"DPUFRING"
+VERSION_MAJOR = 1
+VERSION_MINOR = 0
+
+#: Everything in the region starts on a 64-byte boundary: one cache line on
+#: the Arm cores and the GPU's L2 sector granularity is 32, so no two owners
+#: ever share a line.
+ALIGN = 64
+
+HEADER = struct.Struct("<8sHHIQQII")
+HEADER_SIZE = 128
+CHANNEL = struct.Struct("<QIIQQQIIQQ")
+CHANNEL_SIZE = 64
+
+#: GPU-owned control block of a channel (the DPU only reads it).
+GPU_CTRL = struct.Struct("<QQQ")  # resp_produced, req_consumed, heartbeat
+#: DPU-owned control block of a channel (the GPU only reads it).
+DPU_CTRL = struct.Struct("<Q")  # resp_consumed
+CTRL_SIZE = 64
+
+#: Request records have one fixed size in protocol v1 (see records.py).
+REQUEST_SLOT_SIZE = 128
+#: A response record is a 24-byte header followed by u32 token ids.
+RESPONSE_HEADER_SIZE = 24
+MIN_RESPONSE_SLOT_SIZE = RESPONSE_HEADER_SIZE + 8
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelLayout:
+    """Where one ring pair lives in the region, and its geometry."""
+
+    req_ring_offset: int
+    req_slots: int
+    req_slot_size: int
+    arena_offset: int
+    arena_size: int
+    resp_ring_offset: int
+    resp_slots: int
+    resp_slot_size: int
+    gpu_ctrl_offset: int
+    dpu_ctrl_offset: int
+
+    @property
+    def tokens_per_response(self) -> int:
+        return (self.resp_slot_size - RESPONSE_HEADER_SIZE) // 4
+
+    @property
+    def arena_tokens(self) -> int:
+        return self.arena_size // 4
+
+    def req_slot_offset(self, seq: int) -> int:
+        """Offset of the slot that request record number ``seq`` (1-based) uses."""
+        return self.req_ring_offset + ((seq - 1) % self.req_slots) * self.req_slot_size
+
+    def resp_slot_offset(self, position: int) -> int:
+        """Offset of the slot of response record ``position`` (0-based)."""
+        return self.resp_ring_offset + (position % self.resp_slots) * self.resp_slot_size
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        return [
+            ("request ring", self.req_ring_offset, self.req_slots * self.req_slot_size),
+            ("prompt arena", self.arena_offset, self.arena_size),
+            ("response ring", self.resp_ring_offset, self.resp_slots * self.resp_slot_size),
+            ("gpu control block", self.gpu_ctrl_offset, CTRL_SIZE),
+            ("dpu control block", self.dpu_ctrl_offset, CTRL_SIZE),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The decoded layout record."""
+
+    region_size: int
+    instance: int
+    channels: tuple[ChannelLayout, ...]
+    version_major: int = VERSION_MAJOR
+    version_minor: int = VERSION_MINOR
+
+    @property
+    def header_size(self) -> int:
+        return HEADER_SIZE + CHANNEL_SIZE * len(self.channels)
+
+    def encode(self) -> bytes:
+        out = bytearray(self.header_size)
+        HEADER.pack_into(
+            out, 0, MAGIC, self.version_major, self.version_minor, self.header_size,
+            self.region_size, self.instance, len(self.channels), CHANNEL_SIZE,
+        )
+        for i, ch in enumerate(self.channels):
+            CHANNEL.pack_into(
+                out, HEADER_SIZE + i * CHANNEL_SIZE,
+                ch.req_ring_offset, ch.req_slots, ch.req_slot_size,
+                ch.arena_offset, ch.arena_size,
+                ch.resp_ring_offset, ch.resp_slots, ch.resp_slot_size,
+                ch.gpu_ctrl_offset, ch.dpu_ctrl_offset,
+            )
+        return bytes(out)
+
+
+def decode_header_size(data: bytes | memoryview) -> int:
+    """How many bytes the whole layout record has, from its first 128 bytes.
+
+    The daemon reads 128 bytes, learns the size, then reads the channel table.
+    """
+    magic, major, _minor, header_size, *_ = HEADER.unpack_from(data, 0)
+    _check_magic_version(magic, major)
+    return int(header_size)
+
+
+def decode_layout(data: bytes | memoryview) -> Layout:
+    if len(data) < HEADER_SIZE:
+        raise LayoutMismatch(f"layout record truncated: {len(data)} bytes < {HEADER_SIZE}")
+    magic, major, minor, header_size, region_size, instance, count, desc_size = (
+        HEADER.unpack_from(data, 0)
+    )
+    _check_magic_version(magic, major)
+    if desc_size != CHANNEL_SIZE:
+        raise LayoutMismatch(f"channel descriptor size {desc_size}, this daemon needs {CHANNEL_SIZE}")
+    if count < 1:
+        raise LayoutMismatch("layout record declares no channel")
+    if header_size != HEADER_SIZE + count * CHANNEL_SIZE or len(data) < header_size:
+        raise LayoutMismatch(f"layout record size {header_size} inconsistent with {count} channels")
+    channels = tuple(
+        ChannelLayout(*CHANNEL.unpack_from(data, HEADER_SIZE + i * CHANNEL_SIZE))
+        for i in range(count)
+    )
+    layout = Layout(region_size, instance, channels, major, minor)
+    validate(layout)
+    return layout
+
+
+def _check_magic_version(magic: bytes, major: int) -> None:
+    if magic != MAGIC:
+        raise LayoutMismatch(f"bad magic {magic!r}: the peer is not a dpu-frontend ring peer")
+    if major != VERSION_MAJOR:
+        raise LayoutMismatch(
+            f"peer speaks ring protocol v{major}, this daemon speaks v{VERSION_MAJOR}"
+        )
+
+
+def validate(layout: Layout) -> None:
+    """Check a layout's geometry; raise ``LayoutMismatch`` naming the bad field."""
+    if layout.instance == 0:
+        raise LayoutMismatch("instance must be non-zero")
+    spans: list[tuple[str, int, int]] = [("layout record", 0, layout.header_size)]
+    for i, ch in enumerate(layout.channels):
+        where = f"channel {i}"
+        if ch.req_slot_size != REQUEST_SLOT_SIZE:
+            raise LayoutMismatch(f"{where}: request slot size {ch.req_slot_size} != {REQUEST_SLOT_SIZE}")
+        if ch.req_slots < 1 or ch.resp_slots < 2:
+            raise LayoutMismatch(f"{where}: needs >= 1 request slot and >= 2 response slots")
+        if ch.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or ch.resp_slot_size % 8:
+            raise LayoutMismatch(f"{where}: response slot size {ch.resp_slot_size} invalid")
+        if ch.arena_size % 4:
+            raise LayoutMismatch(f"{where}: arena size {ch.arena_size} not a multiple of 4")
+        for name, offset, size in ch.spans():
+            if offset % ALIGN:
+                raise LayoutMismatch(f"{where}: {name} at {offset} is not {ALIGN}-byte aligned")
+            spans.append((f"{where} {name}", offset, size))
+    spans.sort(key=lambda s: s[1])
+    end = 0
+    for name, offset, size in spans:
+        if offset < end:
+            raise LayoutMismatch(f"{name} at {offset} overlaps the previous span")
+        end = offset + size
+    if end > layout.region_size:
+        raise LayoutMismatch(f"geometry needs {end} bytes, region has {layout.region_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the GPU side chooses for each channel; ``plan`` places it."""
+
+    channels: int = 1
+    req_slots: int = 256
+    arena_bytes: int = 4 << 20
+    resp_slots: int = 1024
+    resp_slot_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.channels < 1:
+            raise ValueError("channels must be >= 1")
+        if self.req_slots < 1:
+            raise ValueError("req_slots must be >= 1")
+        if self.resp_slots < 2:
+            raise ValueError("resp_slots must be >= 2")
+        if self.arena_bytes < 4 or self.arena_bytes % 4:
+            raise ValueError("arena_bytes must be a positive multiple of 4")
+        if self.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or self.resp_slot_size % 8:
+            raise ValueError(f"resp_slot_size must be a multiple of 8, >= {MIN_RESPONSE_SLOT_SIZE}")
+
+    def plan(self, instance: int) -> Layout:
+        """Place every channel's blocks one after another, each 64-byte aligned."""
+        offset = align(HEADER_SIZE + CHANNEL_SIZE * self.channels)
+        channels = []
+        for _ in range(self.channels):
+            gpu_ctrl = offset
+            dpu_ctrl = gpu_ctrl + CTRL_SIZE
+            req = dpu_ctrl + CTRL_SIZE
+            arena = align(req + self.req_slots * REQUEST_SLOT_SIZE)
+            resp = align(arena + self.arena_bytes)
+            offset = align(resp + self.resp_slots * self.resp_slot_size)
+            channels.append(ChannelLayout(
+                req_ring_offset=req, req_slots=self.req_slots, req_slot_size=REQUEST_SLOT_SIZE,
+                arena_offset=arena, arena_size=self.arena_bytes,
+                resp_ring_offset=resp, resp_slots=self.resp_slots,
+                resp_slot_size=self.resp_slot_size,
+                gpu_ctrl_offset=gpu_ctrl, dpu_ctrl_offset=dpu_ctrl,
+            ))
+        layout = Layout(region_size=align(offset, 4096), instance=instance, channels=tuple(channels))
+        validate(layout)
+        return layout

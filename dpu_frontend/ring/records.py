@@ -1,0 +1,186 @@
+"""Fixed binary records of the ring protocol v1 (docs/protocol.md, "Records").
+
+Every layout here is little-endian with natural alignment, so that a CUDA
+kernel reads it with plain loads into a C struct. Nothing in this module does
+I/O: encoders return bytes, decoders take bytes (or a memoryview over the
+peer's memory).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+
+from dpu_frontend.errors import ProtocolError
+from dpu_frontend.ring.layout import REQUEST_SLOT_SIZE, RESPONSE_HEADER_SIZE
+
+#: The commit word: the record's sequence number, written last (section
+#: "Memory ordering" of docs/protocol.md).
+COMMIT = struct.Struct("<Q")
+#: Request record body, from byte 8 to byte 112 of the 128-byte slot.
+REQUEST_BODY = struct.Struct("<IIQQIIffifQfffI8I")
+REQUEST_BODY_OFFSET = 8
+MAX_STOP_TOKEN_IDS = 8
+#: Response record header; token ids follow at byte 24.
+RESPONSE_HEADER = struct.Struct("<QQHBBI")
+
+FLAG_IGNORE_EOS = 1 << 0
+FLAG_HAS_SEED = 1 << 1
+
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+
+class RecordKind(enum.IntEnum):
+    GENERATE = 1
+    CANCEL = 2
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended; carried in the last response record of a request."""
+
+    NONE = 0  # more records follow
+    STOP = 1  # an EOS or stop token id (not included in the tokens)
+    LENGTH = 2  # max_tokens reached
+    CANCELLED = 3  # a cancel record arrived; the final record may carry no token
+    ERROR = 4  # the GPU side could not serve it
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the GPU side needs to sample a sequence. Validated by the HTTP layer."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= U32_MAX:
+            raise ValueError(f"max_tokens must be in [1, {U32_MAX}], got {self.max_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids fit a request record")
+        if any(not 0 <= t <= U32_MAX for t in self.stop_token_ids):
+            raise ValueError("stop token ids must be u32")
+        if self.seed is not None and not 0 <= self.seed <= U64_MAX:
+            raise ValueError("seed must be a u64")
+        if not -(2**31) <= self.top_k < 2**31:
+            raise ValueError("top_k must fit an i32")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRecord:
+    request_id: int
+    arena_offset: int  # byte offset of the prompt inside the channel's arena
+    prompt_len: int  # in tokens (u32 each)
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRecord:
+    request_id: int
+
+
+RequestRecord = GenerateRecord | CancelRecord
+
+
+def encode_request_body(record: RequestRecord) -> bytes:
+    """Bytes 8..128 of a request slot. The commit word (bytes 0..8) is separate."""
+    if isinstance(record, CancelRecord):
+        body = REQUEST_BODY.pack(
+            RecordKind.CANCEL, 0, record.request_id, 0, 0, 0,
+            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS),
+        )
+    else:
+        p = record.params
+        flags = (FLAG_IGNORE_EOS if p.ignore_eos else 0) | (
+            FLAG_HAS_SEED if p.seed is not None else 0
+        )
+        stops = list(p.stop_token_ids) + [0] * (MAX_STOP_TOKEN_IDS - len(p.stop_token_ids))
+        body = REQUEST_BODY.pack(
+            RecordKind.GENERATE, flags, record.request_id, record.arena_offset,
+            record.prompt_len, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p,
+            p.seed or 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+            len(p.stop_token_ids), *stops,
+        )
+    return body + bytes(REQUEST_SLOT_SIZE - REQUEST_BODY_OFFSET - len(body))
+
+
+def decode_request(slot: bytes | memoryview) -> RequestRecord:
+    """Decode a whole 128-byte slot whose commit word the caller already checked."""
+    (kind, flags, request_id, arena_offset, prompt_len, max_tokens, temperature, top_p,
+     top_k, min_p, seed, presence, frequency, repetition, n_stop, *stops) = (
+        REQUEST_BODY.unpack_from(slot, REQUEST_BODY_OFFSET)
+    )
+    if kind == RecordKind.CANCEL:
+        return CancelRecord(request_id)
+    if kind != RecordKind.GENERATE:
+        raise ProtocolError(f"unknown request record kind {kind}")
+    if n_stop > MAX_STOP_TOKEN_IDS:
+        raise ProtocolError(f"request record declares {n_stop} stop token ids")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=_f32(temperature), top_p=_f32(top_p),
+            top_k=top_k, min_p=_f32(min_p),
+            seed=seed if flags & FLAG_HAS_SEED else None,
+            presence_penalty=_f32(presence), frequency_penalty=_f32(frequency),
+            repetition_penalty=_f32(repetition), stop_token_ids=tuple(stops[:n_stop]),
+            ignore_eos=bool(flags & FLAG_IGNORE_EOS),
+        )
+    except ValueError as exc:
+        raise ProtocolError(f"request record {request_id}: {exc}") from exc
+    return GenerateRecord(request_id, arena_offset, prompt_len, params)
+
+
+def _f32(x: float) -> float:
+    # A float32 field read back: keep NaN out of the peer's sampler.
+    return 0.0 if math.isnan(x) else x
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseRecord:
+    request_id: int
+    tokens: tuple[int, ...]
+    finish: FinishReason = FinishReason.NONE
+
+    @property
+    def final(self) -> bool:
+        return self.finish != FinishReason.NONE
+
+
+def encode_response_body(record: ResponseRecord, slot_size: int) -> bytes:
+    """Bytes 8..slot_size of a response slot; the sequence word goes in last."""
+    capacity = (slot_size - RESPONSE_HEADER_SIZE) // 4
+    n = len(record.tokens)
+    if n > capacity:
+        raise ValueError(f"{n} tokens do not fit a {slot_size}-byte response record")
+    head = RESPONSE_HEADER.pack(0, record.request_id, n, record.finish, 0, 0)[8:]
+    return head + struct.pack(f"<{n}I", *record.tokens) + bytes((capacity - n) * 4)
+
+
+def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
+                    slot_size: int) -> ResponseRecord:
+    """Decode the record at ``offset``; its sequence word must be ``expected_seq``."""
+    seq, request_id, n, finish, _flags, _reserved = RESPONSE_HEADER.unpack_from(slot, offset)
+    if seq != expected_seq:
+        raise ProtocolError(
+            f"response record {expected_seq} carries sequence {seq}: the peer published an "
+            "index before the record it covers"
+        )
+    if n > (slot_size - RESPONSE_HEADER_SIZE) // 4:
+        raise ProtocolError(f"response record {seq} declares {n} tokens")
+    try:
+        reason = FinishReason(finish)
+    except ValueError as exc:
+        raise ProtocolError(f"response record {seq}: unknown finish reason {finish}") from exc
+    tokens = struct.unpack_from(f"<{n}I", slot, offset + RESPONSE_HEADER_SIZE)
+    return ResponseRecord(request_id, tokens, reason)

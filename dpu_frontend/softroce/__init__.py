@@ -1,0 +1,1 @@
+"""Soft-RoCE: a real RDMA device on any host, natively or in a micro-VM."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer loading, tokenization and incremental detokenization."""

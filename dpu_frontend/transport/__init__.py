@@ -1,0 +1,1 @@
+"""Transports: how the daemon's ring operations reach the peer's memory."""

@@ -1,0 +1,88 @@
+"""Test bodies shared by the shm (native) and verbs (soft-RoCE) integration tests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import aiohttp
+from openai import OpenAI
+
+from dpu_frontend.peer.engine import Engine, default_corpus
+from dpu_frontend.ring import FinishReason, GenerateRecord, SamplingParams
+from dpu_frontend.ring.layout import Geometry
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.stack import MODEL, Stack
+
+PROMPT = "Tell me about the request ring."
+
+
+def peer_generation(vocab: Vocabulary, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    """The ids the reference peer generates for ``prompt`` (its engine is deterministic)."""
+    per_record = Geometry().plan(1).channels[0].tokens_per_response
+    engine = Engine(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
+                    eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_record=per_record)
+    engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens)),
+                 tuple(vocab.encode(prompt)), time.monotonic())
+    ids: list[int] = []
+    finish = FinishReason.NONE
+    while finish == FinishReason.NONE:
+        for record in engine.step(time.monotonic(), 64):
+            ids += record.tokens
+            finish = record.finish
+    return ids, {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}[finish]
+
+
+def load_vocab() -> Vocabulary:
+    return Vocabulary.load(default_tokenizer_dir())
+
+
+async def raw_sse(stack: Stack, body: dict[str, object]) -> list[str]:
+    """The ``data:`` payloads of a streamed response, read straight off the socket."""
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.base_url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = []
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\n")
+            if line:
+                assert line.startswith("data: "), line
+                events.append(line[len("data: "):])
+        return events
+
+
+async def check_stream_equals_full_and_decode(stack: Stack) -> None:
+    vocab = load_vocab()
+    max_tokens = 60
+    ids, finish = peer_generation(vocab, PROMPT, max_tokens)
+    expected = vocab.decode(ids)
+    assert expected.strip()
+
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    try:
+        full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens)
+        streamed = []
+        finishes = []
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                               stream=True):
+            streamed.append(chunk.choices[0].text)
+            finishes.append(chunk.choices[0].finish_reason)
+    finally:
+        client.close()
+    assert full.choices[0].text == expected
+    assert full.choices[0].finish_reason == finish
+    assert full.usage is not None
+    assert full.usage.completion_tokens == len(ids)
+    assert full.usage.prompt_tokens == len(vocab.encode(PROMPT))
+    assert "".join(streamed) == expected
+    assert len([s for s in streamed if s]) > 1, "the text arrived in one piece: not streamed"
+    assert finishes[-1] == finish and all(f is None for f in finishes[:-1])
+
+    events = await raw_sse(stack, {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                                   "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected

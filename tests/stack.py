@@ -1,0 +1,81 @@
+"""Real peer and daemon processes for integration tests, on ports picked by the kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from dpu_frontend.softroce.harness import RXE_IP
+
+MODEL = "qwen3"
+
+
+@dataclass(frozen=True)
+class Stack:
+    transport: str
+    base_url: str
+    peer_port: int
+
+
+def _start(args: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", *args],
+                            stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(marker):
+            return proc, line[len(marker):].strip()
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    raise RuntimeError(f"{args[0]} did not start (exit {proc.poll()})")
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
+
+
+@contextmanager
+def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float = 0,
+                  timeout: float = 600, peer_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """A reference peer and a daemon connected over ``transport``; both stopped at exit."""
+    if transport == "verbs":
+        net = ["--rdma-ip", RXE_IP]
+        host = RXE_IP
+    else:
+        net = []
+        host = "127.0.0.1"
+    shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+    peer, address = _start(
+        ["peer", "--transport", transport, *net, "--host", host, "--port", "0", "--mode", mode,
+         "--tokens-per-s", str(tokens_per_s), *(shm if transport == "shm" else []), *peer_args],
+        "peer listening on ", timeout)
+    try:
+        port = int(address.rsplit(":", 1)[1])
+        daemon, url = _start(
+            ["serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
+             "--port", "0", "--model-name", MODEL], "daemon listening on ", timeout)
+        try:
+            yield Stack(transport, url, port)
+        finally:
+            assert _stop(daemon) == 0, "daemon did not exit cleanly"
+    finally:
+        _stop(peer)
