@@ -1,0 +1,71 @@
+"""The verbs transport against memory registered by another QP on the same rxe device."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+
+import pytest
+
+from dpu_frontend.errors import TransportError
+from dpu_frontend.ring import ReadOp, WriteOp
+from dpu_frontend.softroce.harness import RXE_IP
+from dpu_frontend.transport.verbs.resources import RdmaResources
+from dpu_frontend.transport.verbs.transport import VerbsTransport, pin
+
+pytestmark = pytest.mark.rdma
+
+REGION = 64 * 1024
+
+
+class Remote:
+    """The GPU side's half: a registered region and a QP that never posts."""
+
+    def __init__(self) -> None:
+        self.resources = RdmaResources(ip=RXE_IP)
+        self.resources.open()
+        self.map = mmap.mmap(-1, REGION)
+        self.address, self.anchor = pin(self.map)
+        self.mr = self.resources.register(self.address, REGION, remote=True)
+        self.qp = self.resources.create_qp()
+
+    def close(self) -> None:
+        self.resources.close()
+        del self.anchor
+        self.map.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[VerbsTransport, Remote]]:
+    remote = Remote()
+    local_res = RdmaResources(ip=RXE_IP)
+    local_res.open()
+    transport = VerbsTransport(local_res, staging_bytes=REGION)
+    local = transport.start()
+    remote_info = remote.resources.local_info(remote.qp)
+    remote.resources.to_rts(remote.qp, remote_info, local)
+    transport.connect(remote_info, remote.address, remote.mr.rkey, REGION)
+    yield transport, remote
+    transport.close()
+    local_res.close()
+    remote.close()
+
+
+async def test_writes_land_in_order_and_reads_return_them(
+        pair: tuple[VerbsTransport, Remote]) -> None:
+    transport, remote = pair
+    ops = [WriteOp(i * 100, bytes([i % 256]) * 100) for i in range(600)]  # > one post chunk
+    await transport.write(ops)
+    for op in ops[:5] + ops[-5:]:
+        assert remote.map[op.offset:op.offset + len(op.data)] == op.data
+    remote.map[REGION - 8:] = b"ABCDEFGH"
+    assert await transport.read(ReadOp(REGION - 8, 8)) == b"ABCDEFGH"
+    assert transport.ops["write"] == 600 and transport.ops["read"] == 1
+
+
+async def test_a_remote_access_error_is_a_typed_error(
+        pair: tuple[VerbsTransport, Remote]) -> None:
+    transport, _ = pair
+    transport.region_size = REGION * 4  # lie about the region: the NIC must refuse
+    with pytest.raises(TransportError, match="IBV_WC_REM_ACCESS_ERR"):
+        await transport.read(ReadOp(REGION * 2, 64))
