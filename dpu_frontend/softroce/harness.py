@@ -88,9 +88,12 @@ def vm_command(argv: Sequence[str], *, cwd: str, path: str, rwdirs: Sequence[str
     vng = shutil.which("vng", path=path)
     if vng is None:
         raise RuntimeError("vng not found: pip install 'dpu-frontend[softroce]' (deploy/dev.sh does)")
-    inner = (f"{SETUP_SCRIPT}\ncd {shlex.quote(cwd)}\n"
-             f"export PATH={shlex.quote(path)} HOME=/tmp PYTHONDONTWRITEBYTECODE=1 "
-             f"DPU_FRONTEND_IN_VM=1\n"
+    # The guest sees none of our environment: pass PATH and our own settings.
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith("DPU_FRONTEND_")}
+    forwarded |= {"PATH": path, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+                  "DPU_FRONTEND_IN_VM": "1"}
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forwarded.items()))
+    inner = (f"{SETUP_SCRIPT}\ncd {shlex.quote(cwd)}\nexport {exports}\n"
              + " ".join(shlex.quote(a) for a in argv))
     command = [vng, "--disable-kvm", "--run", stock_kernel(), "--memory", memory,
                "--cpus", str(cpus), "--append", f"modprobe.blacklist={VM_BLACKLIST}"]

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Set up a development machine and run the two things README promises:
+#
+#   deploy/dev.sh demo   install everything, start soft-RoCE + reference peer +
+#                        daemon, stream one completion
+#   deploy/dev.sh test   install everything, run the whole test suite
+#   deploy/dev.sh setup  install only
+#
+# Installs (idempotently): the Debian packages soft-RoCE needs (rdma-core,
+# pyverbs, and for kernels without rdma_rxe: QEMU and Debian's stock kernel
+# for the micro-VM), a venv at .venv that sees the distribution's pyverbs,
+# and the project with its extras (bundled tokenizer, tests, virtme-ng).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${DPU_FRONTEND_VENV:-$ROOT/.venv}
+BUILD=$ROOT/build
+
+APT_PACKAGES=(kmod udev iproute2 rdma-core ibverbs-providers ibverbs-utils rdmacm-utils
+              perftest python3-pyverbs python3-venv python3-dev)
+case "$(dpkg --print-architecture 2>/dev/null || echo unknown)" in
+  amd64) APT_PACKAGES+=(qemu-system-x86 linux-image-amd64 busybox-static) ;;
+  arm64) APT_PACKAGES+=(qemu-system-arm linux-image-arm64 busybox-static) ;;
+esac
+
+log() { printf '\n== %s\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+setup() {
+  local missing=()
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    as_root apt-get update -q
+    # INITRD=No: the micro-VM boots the kernel without Debian's initrd.
+    as_root env INITRD=No DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "venv $VENV (with the distribution's pyverbs)"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+  fi
+  log "pip install -e .[default-tokenizer,test,softroce]"
+  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[default-tokenizer,test,softroce]" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -c "import dpu_frontend, pyverbs, tokenizers, openai" \
+    || { echo "setup incomplete: see the pip output above" >&2; exit 1; }
+}
+
+demo() {
+  setup
+  cd "$ROOT"
+  log "soft-RoCE + reference peer + daemon + one streamed completion"
+  "$VENV/bin/dpu-frontend" softroce -- dpu-frontend demo "$@"
+}
+
+run_tests() {
+  setup
+  cd "$ROOT"
+  mkdir -p "$BUILD"
+  rm -f "$BUILD"/native-junit.xml "$BUILD"/rdma-junit.xml
+  local t0=$SECONDS
+  log "lint: ruff, mypy"
+  "$VENV/bin/ruff" check dpu_frontend tests benchmarks
+  "$VENV/bin/mypy" dpu_frontend benchmarks
+  log "native tests (everything that does not need RDMA)"
+  local native_rc=0
+  "$VENV/bin/python" -m pytest -m "not rdma" --junitxml="$BUILD/native-junit.xml" "$@" || native_rc=$?
+  local t1=$SECONDS
+  log "RDMA tests on a real soft-RoCE device (micro-VM where the kernel lacks rdma_rxe)"
+  local rdma_rc=0
+  DPU_FRONTEND_REQUIRE_RDMA=1 "$VENV/bin/dpu-frontend" softroce --rwdir "$BUILD" -- \
+    python -m pytest -p no:cacheprovider -m rdma tests/rdma --junitxml="$BUILD/rdma-junit.xml" \
+    || rdma_rc=$?
+  local t2=$SECONDS
+  log "wall time: native $((t1 - t0)) s (with lint), RDMA part $((t2 - t1)) s, total $((t2 - t0)) s"
+  "$VENV/bin/python" -m tests.tools.junit_gate "$BUILD/native-junit.xml" \
+    --require-no-skips "$BUILD/rdma-junit.xml" || exit 1
+  [ "$native_rc" -eq 0 ] && [ "$rdma_rc" -eq 0 ]
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) demo "$@" ;;
+  test) run_tests "$@" ;;
+  *) echo "usage: deploy/dev.sh setup|demo|test" >&2; exit 2 ;;
+esac

@@ -1,0 +1,86 @@
+"""Configuration validation and control-plane messages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dpu_frontend.config import PeerAddress, PeerConfig, ServeConfig
+from dpu_frontend.control import messages
+from dpu_frontend.errors import LayoutMismatch, PeerError
+from dpu_frontend.ring import Geometry
+
+
+def test_peer_address_parse() -> None:
+    assert PeerAddress.parse("10.0.0.2:18515") == PeerAddress("10.0.0.2", 18515)
+    assert PeerAddress.parse("[fe80::1]:7") == PeerAddress("fe80::1", 7)
+    for bad in ("nohost", ":1", "h:x", "h:70000"):
+        with pytest.raises(ValueError):
+            PeerAddress.parse(bad)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"transport": "tcp"}, "transport"),
+    ({"port": -1}, "port"),
+    ({"model_name": ""}, "model_name"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"poll_interval_s": 0}, "poll intervals"),
+])
+def test_serve_config_names_the_bad_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(peer=PeerAddress("127.0.0.1", 1), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "dream"}, "mode"), ({"tokens_per_s": -1}, "tokens_per_s"), ({"tick_s": 0}, "tick_s"),
+])
+def test_peer_config_names_the_bad_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PeerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_geometry_validation() -> None:
+    with pytest.raises(ValueError, match="resp_slot_size"):
+        Geometry(resp_slot_size=30)
+    with pytest.raises(ValueError, match="arena_bytes"):
+        Geometry(arena_bytes=6)
+
+
+async def test_messages_roundtrip_over_a_real_socket() -> None:
+    received: list[dict[str, object]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await messages.receive(reader))
+        await messages.send(writer, messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"}).to_dict())
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await messages.send(writer, messages.Hello("shm", 0).to_dict())
+    welcome = messages.Welcome.from_dict(await messages.receive(reader))
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+    assert messages.Hello.from_dict(received[0]) == messages.Hello("shm", 0)
+    assert welcome == messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"})
+
+
+def test_refuse_and_version_mismatch_are_clear() -> None:
+    with pytest.raises(PeerError, match="refused the channel: busy"):
+        messages.Welcome.from_dict(messages.refuse("busy"))
+    bad = messages.Welcome(0, 7, 4096, {}).to_dict() | {"protocol": 2}
+    with pytest.raises(LayoutMismatch, match="v2"):
+        messages.Welcome.from_dict(bad)
+    with pytest.raises(PeerError, match="unknown transport"):
+        messages.Hello.from_dict({"op": "hello", "protocol": 1, "transport": "carrier-pigeon"})
+
+
+async def test_truncated_frame_is_a_peer_error() -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"\x00\x00\x00\x10abc")
+    reader.feed_eof()
+    with pytest.raises(PeerError, match="closed"):
+        await messages.receive(reader)

@@ -1,0 +1,88 @@
+"""The reference peer's deterministic generator."""
+
+from __future__ import annotations
+
+from dpu_frontend.peer.engine import Engine
+from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
+
+EOS = 99
+
+
+def engine(mode: str = "replay", rate: float = 0.0, per_record: int = 4) -> Engine:
+    return Engine(mode=mode, corpus_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], eos_token_ids=[EOS],
+                  tokens_per_s=rate, tokens_per_record=per_record)
+
+
+def run(e: Engine, now: float = 0.0, steps: int = 50) -> list[ResponseRecord]:
+    out: list[ResponseRecord] = []
+    for i in range(steps):
+        out += e.step(now + i, 100)
+    return out
+
+
+def tokens(records: list[ResponseRecord]) -> list[int]:
+    return [t for r in records for t in r.tokens]
+
+
+def admit(e: Engine, rid: int, prompt: tuple[int, ...], **params: object) -> None:
+    e.admit(GenerateRecord(rid, 0, len(prompt), SamplingParams(**params)), prompt, 0.0)  # type: ignore[arg-type]
+
+
+def test_replay_stops_at_the_document_end_without_emitting_eos() -> None:
+    e = engine()
+    admit(e, 1, (42,), max_tokens=100)
+    records = run(e)
+    assert records[-1].finish == FinishReason.STOP
+    assert EOS not in tokens(records)
+    assert all(len(r.tokens) <= 4 for r in records)
+    assert e.active == 0 and e.stats.completed == 1
+
+
+def test_max_tokens_gives_length() -> None:
+    e = engine()
+    admit(e, 1, (42,), max_tokens=2)
+    records = run(e)
+    assert len(tokens(records)) == 2 and records[-1].finish == FinishReason.LENGTH
+
+
+def test_ignore_eos_continues_into_the_next_document() -> None:
+    e = engine()
+    admit(e, 1, (42,), max_tokens=12, ignore_eos=True)
+    records = run(e)
+    assert len(tokens(records)) == 12 and records[-1].finish == FinishReason.LENGTH
+
+
+def test_stop_token_ids_stop_without_being_emitted() -> None:
+    e = engine(mode="echo")
+    admit(e, 1, (5, 6, 7, 8), max_tokens=10, stop_token_ids=(7,))
+    records = run(e)
+    assert tokens(records) == [5, 6] and records[-1].finish == FinishReason.STOP
+
+
+def test_echo_returns_the_prompt() -> None:
+    e = engine(mode="echo")
+    admit(e, 1, (5, 6, 7), max_tokens=10)
+    assert tokens(run(e)) == [5, 6, 7]
+
+
+def test_rate_paces_tokens() -> None:
+    e = engine(mode="echo", rate=10.0)
+    admit(e, 1, tuple(range(1, 50)), max_tokens=40)
+    assert len(tokens(e.step(0.0, 100))) == 1  # the first token at once
+    assert len(tokens(e.step(0.55, 100))) == 5  # 10/s: five more by 0.55 s
+
+
+def test_cancel_ends_with_a_cancelled_record() -> None:
+    e = engine(mode="echo", rate=1.0)
+    admit(e, 1, (1, 2, 3), max_tokens=3)
+    e.step(0.0, 10)
+    assert e.cancel(1) == ResponseRecord(1, (), FinishReason.CANCELLED)
+    assert e.cancel(1) is None
+    assert e.stats.cancelled_ids == [1] and e.active == 0
+
+
+def test_same_prompt_same_generation() -> None:
+    a, b = engine(), engine()
+    admit(a, 1, (3, 1, 4), max_tokens=50)
+    admit(b, 9, (3, 1, 4), max_tokens=50)
+    assert tokens(run(a)) == tokens(run(b))
