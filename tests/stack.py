@@ -21,6 +21,8 @@ class Stack:
     transport: str
     base_url: str
     peer_port: int
+    peer: subprocess.Popen[str]
+    daemon: subprocess.Popen[str]
 
 
 def _start(args: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
@@ -55,8 +57,12 @@ def _stop(proc: subprocess.Popen[str]) -> int:
 
 @contextmanager
 def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float = 0,
-                  timeout: float = 600, peer_args: tuple[str, ...] = ()) -> Iterator[Stack]:
-    """A reference peer and a daemon connected over ``transport``; both stopped at exit."""
+                  timeout: float = 600, peer_args: tuple[str, ...] = (),
+                  daemon_exit: int = 0) -> Iterator[Stack]:
+    """A reference peer and a daemon connected over ``transport``; both stopped at exit.
+
+    The daemon must exit with ``daemon_exit`` (1 after it lost its peer).
+    """
     if transport == "verbs":
         net = ["--rdma-ip", RXE_IP]
         host = RXE_IP
@@ -74,8 +80,8 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
             ["serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
              "--port", "0", "--model-name", MODEL], "daemon listening on ", timeout)
         try:
-            yield Stack(transport, url, port)
+            yield Stack(transport, url, port, peer, daemon)
         finally:
-            assert _stop(daemon) == 0, "daemon did not exit cleanly"
+            assert _stop(daemon) == daemon_exit, "daemon exit status"
     finally:
         _stop(peer)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import time
 
 import aiohttp
@@ -86,3 +88,30 @@ async def check_stream_equals_full_and_decode(stack: Stack) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+
+
+async def check_peer_killed_mid_stream(stack: Stack) -> None:
+    """kill -9 the peer: the open stream ends with an error event and [DONE], promptly;
+    a request waiting for its answer gets a 503; nothing hangs."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        full = asyncio.create_task(session.post(f"{stack.base_url}/v1/completions", json=body))
+        async with session.post(f"{stack.base_url}/v1/completions",
+                                json=body | {"stream": True}) as resp:
+            assert resp.status == 200
+            events: list[str] = []
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line:
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    stack.peer.send_signal(signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert set(error) == {"error"} and error["error"]["code"] == 503, error
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        async with await full as answer:
+            assert answer.status == 503
+            assert (await answer.json())["error"]["type"] == "service_unavailable"

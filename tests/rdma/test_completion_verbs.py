@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.scenarios import check_stream_equals_full_and_decode
+from tests.integration.scenarios import check_peer_killed_mid_stream, check_stream_equals_full_and_decode
 from tests.stack import Stack, running_stack
 
 pytestmark = pytest.mark.rdma
@@ -20,3 +20,8 @@ def verbs_stack() -> Iterator[Stack]:
 
 async def test_streamed_equals_full_equals_decode(verbs_stack: Stack) -> None:
     await check_stream_equals_full_and_decode(verbs_stack)
+
+
+async def test_peer_killed_mid_stream() -> None:
+    with running_stack("verbs", tokens_per_s=5, daemon_exit=1) as stack:
+        await check_peer_killed_mid_stream(stack)

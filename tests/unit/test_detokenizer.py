@@ -48,7 +48,7 @@ def test_generation_ending_inside_a_utf8_sequence_emits_the_decoder_tail() -> No
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 151642), min_size=1, max_size=40), st.integers(1, 5))
 def test_random_ids_stream_equals_decode(ids: list[int], chunk: int) -> None:
-    pieces, joined = stream(ids, chunk)
+    _, joined = stream(ids, chunk)
     assert joined == TOK.decode(ids)
 
 

@@ -44,7 +44,7 @@ def test_resolve_by_name_prefers_the_ipv4_mapped_gid(sysfs: Path) -> None:
 
 
 def test_unknown_ip_is_a_clear_startup_error(sysfs: Path) -> None:
-    with pytest.raises(StartupError, match="no RDMA device has a RoCE v2 GID for 10.0.0.9"):
+    with pytest.raises(StartupError, match=r"no RDMA device has a RoCE v2 GID for 10\.0\.0\.9"):
         resolve(None, "10.0.0.9", sysfs)
 
 
