@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from dpu_frontend.softroce.harness import RXE_IP
 
 MODEL = "qwen3"
+CLI = [sys.executable, "-m", "dpu_frontend.cli"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,9 @@ class Stack:
     daemon: subprocess.Popen[str]
 
 
-def _start(args: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", *args],
-                            stdout=subprocess.PIPE, text=True)
+def start_process(argv: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
+    """Start ``argv``; return it and the rest of its first stdout line starting with ``marker``."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -39,10 +40,10 @@ def _start(args: list[str], marker: str, timeout: float) -> tuple[subprocess.Pop
     proc.kill()
     proc.wait()
     proc.stdout.close()
-    raise RuntimeError(f"{args[0]} did not start (exit {proc.poll()})")
+    raise RuntimeError(f"{argv} did not start (exit {proc.poll()})")
 
 
-def _stop(proc: subprocess.Popen[str]) -> int:
+def stop_process(proc: subprocess.Popen[str]) -> int:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -70,18 +71,18 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
         net = []
         host = "127.0.0.1"
     shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-    peer, address = _start(
-        ["peer", "--transport", transport, *net, "--host", host, "--port", "0", "--mode", mode,
+    peer, address = start_process(
+        [*CLI, "peer", "--transport", transport, *net, "--host", host, "--port", "0", "--mode", mode,
          "--tokens-per-s", str(tokens_per_s), *(shm if transport == "shm" else []), *peer_args],
         "peer listening on ", timeout)
     try:
         port = int(address.rsplit(":", 1)[1])
-        daemon, url = _start(
-            ["serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
+        daemon, url = start_process(
+            [*CLI, "serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
              "--port", "0", "--model-name", MODEL], "daemon listening on ", timeout)
         try:
             yield Stack(transport, url, port, peer, daemon)
         finally:
-            assert _stop(daemon) == daemon_exit, "daemon exit status"
+            assert stop_process(daemon) == daemon_exit, "daemon exit status"
     finally:
-        _stop(peer)
+        stop_process(peer)

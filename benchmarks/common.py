@@ -1,0 +1,37 @@
+"""Shared by the benchmarks: timing and recording of figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(os.environ.get("DPU_FRONTEND_BENCH_OUT", "build/benchmarks.jsonl"))
+
+
+def best_of(fn: Callable[[], None], *, repeat: int = 5) -> float:
+    """The fastest of ``repeat`` runs, in seconds: the least disturbed by the machine."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def record(name: str, figures: dict[str, Any]) -> None:
+    """Print the figures and append them, with the machine, to the results file."""
+    entry = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_version()}",
+             **figures}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as out:
+        out.write(json.dumps(entry) + "\n")
+    width = max(len(k) for k in figures)
+    print(f"{name}:")
+    for key, value in figures.items():
+        print(f"  {key:<{width}}  {value}")

@@ -1,0 +1,109 @@
+"""CPU cost per token of the daemon's response path, over the shm twin.
+
+The GPU half fills the response ring with records of the default geometry
+(10 tokens each); the daemon half polls and decodes them (the work the poll
+loop does per productive poll), then the detokenizer turns them into text.
+Beside each figure, the bare limit measured in the same run:
+
+* ring: copying the same record bytes out of the region (the READ alone);
+* detokenize: ``DecodeStream.step`` alone on the same ids.
+
+    python -m benchmarks.ring_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+from collections.abc import Callable
+
+from tokenizers.decoders import DecodeStream
+
+from benchmarks.common import best_of, record
+from dpu_frontend.ring import DpuChannel, FinishReason, Geometry, GpuChannel, ResponseRecord
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.detokenizer import IncrementalDetokenizer
+from dpu_frontend.text.tokenizer import Vocabulary
+
+CORPUS = ("The request ring is a row of fixed slots in GPU memory. 日本語の文章 and emoji 🚀 "
+          "travel through it as token ids, ten to a record. ") * 40
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=200, help="full rings per measurement")
+    args = parser.parse_args()
+
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    ids = vocab.encode(CORPUS)
+    geometry = Geometry()
+    layout = geometry.plan(instance=1)
+    ch = layout.channels[0]
+    region = mmap.mmap(-1, layout.region_size)
+    view = memoryview(region)
+    per = ch.tokens_per_response
+    records = [ResponseRecord(1 + i % 8, tuple(ids[(i * per) % (len(ids) - per):][:per]),
+                              FinishReason.NONE) for i in range(ch.resp_slots)]
+    tokens_per_round = sum(len(r.tokens) for r in records)
+
+    gpu = GpuChannel(view, ch)
+    dpu = DpuChannel(ch)
+    gpu.reset()
+
+    def fill() -> None:
+        released = dpu.consumer_update(idle=True)
+        if released is not None:
+            view[released.offset:released.offset + len(released.data)] = released.data
+        gpu.publish(records)
+
+    def poll_once() -> None:
+        fill()
+        ctrl = dpu.ctrl_read()
+        for op in dpu.on_ctrl(region[ctrl.offset:ctrl.offset + ctrl.length], 0.0):
+            dpu.on_records(op, region[op.offset:op.offset + op.length])
+
+    def copy_once() -> None:
+        fill()
+        ctrl = dpu.ctrl_read()
+        for op in dpu.on_ctrl(region[ctrl.offset:ctrl.offset + ctrl.length], 0.0):
+            region[op.offset:op.offset + op.length]
+            dpu._resp_consumed += op.count  # skip decoding: the bare READ
+
+    def rounds(step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(args.rounds):
+                step()
+        return run
+
+    ring = best_of(rounds(poll_once))
+    bare = best_of(rounds(copy_once))
+
+    stream_ids = ids * 4
+
+    def detok() -> None:
+        d = IncrementalDetokenizer(vocab.tokenizer)
+        for i in range(0, len(stream_ids), per):
+            d.push(stream_ids[i:i + per])
+        d.finish()
+
+    def decode_stream() -> None:
+        ds = DecodeStream(skip_special_tokens=True)
+        for token in stream_ids:
+            ds.step(vocab.tokenizer, token)
+
+    detok_s = best_of(detok)
+    step_s = best_of(decode_stream)
+    n_ring = args.rounds * tokens_per_round
+    record("ring_cpu", {
+        "ring poll+decode ns/token (incl. GPU-side publish)": round(ring / n_ring * 1e9, 1),
+        "bare limit: same polls, copy only, ns/token": round(bare / n_ring * 1e9, 1),
+        "detokenize ns/token": round(detok_s / len(stream_ids) * 1e9, 1),
+        "bare limit: DecodeStream.step ns/token": round(step_s / len(stream_ids) * 1e9, 1),
+        "tokens per record": per,
+    })
+    view.release()
+    region.close()
+
+
+if __name__ == "__main__":
+    main()
