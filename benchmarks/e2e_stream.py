@@ -24,7 +24,8 @@ import time
 import aiohttp
 
 from benchmarks.common import record
-from tests.stack import MODEL, running_stack, start_process, stop_process
+from dpu_frontend.softroce.processes import DAEMON_READY, start, stop
+from tests.stack import MODEL, running_stack
 
 
 async def load(base_url: str, model: str, concurrency: int, tokens: int) -> dict[str, float]:
@@ -79,7 +80,7 @@ def main() -> None:
     try:
         bare = asyncio.run(load(url, "bare", args.concurrency, args.tokens))
     finally:
-        stop_process(proc)
+        stop(proc)
     record("e2e_stream_shm", {
         "concurrency x tokens": f"{args.concurrency} x {args.tokens}",
         "daemon tokens/s delivered": daemon["tokens/s"],
@@ -91,8 +92,8 @@ def main() -> None:
 
 
 def start_bare(events: int) -> tuple[subprocess.Popen[str], str]:
-    return start_process([sys.executable, "-m", "benchmarks.bare_sse", "--events", str(events)],
-                         "daemon listening on ", timeout=60)
+    return start([sys.executable, "-m", "benchmarks.bare_sse", "--events", str(events)],
+                 DAEMON_READY, timeout=60)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dpu_frontend.softroce.harness import RXE_IP
+from dpu_frontend.softroce.processes import CLI, DAEMON_READY, PEER_READY
+from dpu_frontend.softroce.processes import start as start_process
+from dpu_frontend.softroce.processes import stop as stop_process
 
 MODEL = "qwen3"
-CLI = [sys.executable, "-m", "dpu_frontend.cli"]
 
 
 @dataclass(frozen=True)
@@ -24,36 +24,6 @@ class Stack:
     peer_port: int
     peer: subprocess.Popen[str]
     daemon: subprocess.Popen[str]
-
-
-def start_process(argv: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
-    """Start ``argv``; return it and the rest of its first stdout line starting with ``marker``."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(marker):
-            return proc, line[len(marker):].strip()
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
-    raise RuntimeError(f"{argv} did not start (exit {proc.poll()})")
-
-
-def stop_process(proc: subprocess.Popen[str]) -> int:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
-    return proc.returncode
 
 
 @contextmanager
@@ -74,12 +44,12 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
     peer, address = start_process(
         [*CLI, "peer", "--transport", transport, *net, "--host", host, "--port", "0", "--mode", mode,
          "--tokens-per-s", str(tokens_per_s), *(shm if transport == "shm" else []), *peer_args],
-        "peer listening on ", timeout)
+        PEER_READY, timeout)
     try:
         port = int(address.rsplit(":", 1)[1])
         daemon, url = start_process(
             [*CLI, "serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
-             "--port", "0", "--model-name", MODEL], "daemon listening on ", timeout)
+             "--port", "0", "--model-name", MODEL], DAEMON_READY, timeout)
         try:
             yield Stack(transport, url, port, peer, daemon)
         finally:
