@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from aiohttp import web
 
@@ -17,6 +16,7 @@ from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.link import PeerLink
 from dpu_frontend.engine.service import Service
 from dpu_frontend.http.app import create_app
+from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
 
@@ -65,10 +65,7 @@ async def serve(config: ServeConfig) -> int:
     supervisor (systemd ``Restart=on-failure``) starts it afresh.
     """
     daemon = Daemon(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await daemon.start()
         waiter = asyncio.create_task(stop.wait())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -57,7 +57,7 @@ class Service:
                 code="context_length_exceeded",
             )
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; the concatenation equals ``decode(generated ids)``."""
         stream = self.link.submit(prompt, params)
         detok = IncrementalDetokenizer(self.vocab.tokenizer)

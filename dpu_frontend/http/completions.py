@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,21 +142,23 @@ class CompletionsHandler:
             raise RequestError("prompt encodes to zero tokens", param="prompt")
         self.service.check_length(len(prompt), req.params.max_tokens)
         meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, len(prompt))
-        deltas = self.service.generate(prompt, req.params)
-        if req.stream:
-            return await self._stream(request, req, meta, deltas)
-        text: list[str] = []
-        last: Delta | None = None
-        async for delta in deltas:
-            text.append(delta.text)
-            last = delta
+        # aclosing: however the handler ends (a client that went away cancels
+        # it), the generator's cleanup runs now and sends the cancel record.
+        async with contextlib.aclosing(self.service.generate(prompt, req.params)) as deltas:
+            if req.stream:
+                return await self._stream(request, req, meta, deltas)
+            text: list[str] = []
+            last: Delta | None = None
+            async for delta in deltas:
+                text.append(delta.text)
+                last = delta
         if last is None:
             raise PeerError("GPU peer ended the stream without a final record")
         return web.json_response(meta.chunk("".join(text), last.finish_reason) | {
             "usage": meta.usage(last.completion_tokens)})
 
     async def _stream(self, request: web.Request, req: CompletionRequest, meta: _Meta,
-                      deltas: Any) -> web.StreamResponse:
+                      deltas: AsyncIterator[Delta]) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no"})

@@ -15,7 +15,6 @@ import logging
 import mmap
 import os
 import secrets
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from dpu_frontend import __version__
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import DpuFrontendError, PeerError
+from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.peer.engine import Engine, default_corpus
 from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
 from dpu_frontend.text.assets import default_tokenizer_dir
@@ -239,10 +239,7 @@ class PeerServer:
 async def run_peer(config: PeerConfig) -> int:
     """``dpu-frontend peer``: serve until SIGTERM/SIGINT."""
     server = PeerServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     try:
         await server.start()
         print(f"peer listening on {config.host}:{server.port}", flush=True)
