@@ -81,7 +81,7 @@ def main() -> None:
     stream_ids = ids * 4
 
     def detok() -> None:
-        d = IncrementalDetokenizer(vocab.tokenizer)
+        d = IncrementalDetokenizer(vocab)
         for i in range(0, len(stream_ids), per):
             d.push(stream_ids[i:i + per])
         d.finish()

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     serve.add_argument("--port", type=int, default=8000, help="HTTP listen port (0: any)")
     serve.add_argument("--model-name", default="qwen3", help="the model name clients send")
+    serve.add_argument("--chat-template", type=Path, default=None,
+                       help="a .jinja chat template (default: the tokenizer config's)")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the tokenizer config's)")
     serve.add_argument("--channel", type=int, default=-1,
@@ -104,6 +106,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         peer=PeerAddress.parse(args.peer), transport=args.transport, rdma=_rdma(args),
         host=args.host, port=args.port, model_name=args.model_name, tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
         max_model_len=args.max_model_len, channel=args.channel,
         poll_interval_s=args.poll_interval,
     )

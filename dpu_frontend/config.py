@@ -72,6 +72,7 @@ class ServeConfig:
     port: int = 8000
     model_name: str = "qwen3"
     tokenizer: Path | None = None  # None: the bundled Qwen3 tokenizer
+    chat_template: Path | None = None  # None: the tokenizer config's chat_template
     max_model_len: int | None = None  # None: the tokenizer config's model_max_length
     channel: int = -1  # the peer's ring pair to claim; -1: any free one
     poll_interval_s: float = 0.0005  # between polls while requests are in flight

@@ -18,6 +18,7 @@ from dpu_frontend.engine.service import Service
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
 
 log = logging.getLogger("dpu_frontend.http")
@@ -36,8 +37,9 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
+        template = load_chat_template(vocab, cfg.chat_template)
         await self.link.start()
-        self.service = Service(cfg, vocab, self.link)
+        self.service = Service(cfg, vocab, self.link, template)
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
         self.runner = web.AppRunner(create_app(self.service, cfg.model_name),

@@ -18,7 +18,9 @@ from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.link import PeerLink
 from dpu_frontend.errors import PeerError, PromptTooLong
 from dpu_frontend.ring import FinishReason, SamplingParams
+from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
+from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import Vocabulary
 
 log = logging.getLogger("dpu_frontend.engine")
@@ -35,17 +37,29 @@ class Delta:
     completion_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """What the daemon itself applies to the generated text."""
+
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+
+
 class Service:
-    def __init__(self, config: ServeConfig, vocab: Vocabulary, link: PeerLink) -> None:
+    def __init__(self, config: ServeConfig, vocab: Vocabulary, link: PeerLink,
+                 chat_template: ChatTemplate | None) -> None:
         self.config = config
         self.vocab = vocab
         self.link = link
+        self.chat_template = chat_template
         self.max_model_len = config.max_model_len or vocab.model_max_length
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.vocab.encode, text)
+        return await loop.run_in_executor(
+            self._executor, lambda: self.vocab.encode(text, add_special_tokens=add_special_tokens))
 
     def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_model_len:
@@ -53,26 +67,37 @@ class Service:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {prompt_tokens + max_tokens} tokens "
                 f"({prompt_tokens} in the prompt, {max_tokens} for the completion).",
-                param="max_tokens" if prompt_tokens < self.max_model_len else "prompt",
+                param="max_tokens" if prompt_tokens < self.max_model_len else "messages",
                 code="context_length_exceeded",
             )
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncGenerator[Delta, None]:
-        """Deltas of the generated text; the concatenation equals ``decode(generated ids)``."""
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       options: TextOptions = TextOptions()) -> AsyncGenerator[Delta, None]:
+        """Deltas of the generated text; their concatenation equals the full decode of
+        the generated ids after the prompt, cut at the first stop string."""
         stream = self.link.submit(prompt, params)
-        detok = IncrementalDetokenizer(self.vocab.tokenizer)
+        detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
+                                       skip_special_tokens=options.skip_special_tokens)
+        stops = StopMatcher(options.stop, include=options.include_stop)
         count = 0
         try:
             async for record in stream:
                 count += len(record.tokens)
-                text = detok.push(record.tokens)
-                if not record.final:
-                    if text:
-                        yield Delta(text, None, count)
-                    continue
-                if record.finish not in FINISH_REASONS:
-                    raise PeerError(f"GPU peer ended the request with {record.finish.name}")
-                yield Delta(text + detok.finish(), FINISH_REASONS[record.finish], count)
+                text = stops.feed(detok.push(record.tokens))
+                if record.final:
+                    if record.finish not in FINISH_REASONS:
+                        raise PeerError(f"GPU peer ended the request with {record.finish.name}")
+                    text += stops.feed(detok.finish())
+                    text += stops.flush()
+                if stops.matched is not None:
+                    # Stop generating on the GPU side at once; the rest is not wanted.
+                    self.link.cancel(stream)
+                    yield Delta(text, "stop", count)
+                    return
+                if record.final:
+                    yield Delta(text, FINISH_REASONS[record.finish], count)
+                elif text:
+                    yield Delta(text, None, count)
         finally:
             if not stream.finished:
                 self.link.cancel(stream)

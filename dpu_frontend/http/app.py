@@ -6,9 +6,13 @@ import time
 
 from aiohttp import web
 
+from dpu_frontend import __version__
 from dpu_frontend.engine.service import Service
+from dpu_frontend.http import openapi
+from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
 from dpu_frontend.http.errors import error_body, error_middleware
+from dpu_frontend.http.tokenize import TokenizeHandlers
 
 SERVICE_KEY = web.AppKey("service", Service)
 
@@ -17,6 +21,8 @@ def create_app(service: Service, model_name: str) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     app[SERVICE_KEY] = service
     created = int(time.time())
+    spec = openapi.build(model_name)
+    tokenize = TokenizeHandlers(service, model_name)
 
     async def health(request: web.Request) -> web.Response:
         link = service.link
@@ -28,9 +34,20 @@ def create_app(service: Service, model_name: str) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "dpu-frontend",
-            "max_model_len": service.max_model_len}]})
+            "root": model_name, "max_model_len": service.max_model_len}]})
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def openapi_json(request: web.Request) -> web.Response:
+        return web.json_response(spec)
 
     app.router.add_post("/v1/completions", CompletionsHandler(service, model_name))
+    app.router.add_post("/v1/chat/completions", ChatCompletionsHandler(service, model_name))
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi_json)
     return app

@@ -2,7 +2,8 @@
 
 Two sources: ``replay`` walks a built-in corpus (documents separated by EOS,
 so generations end with ``stop`` unless ``ignore_eos``), starting at a
-document chosen from a hash of the prompt; ``echo`` returns the prompt.
+document chosen from a hash of the prompt and the seed; ``echo`` returns
+the prompt.
 Tokens come at ``tokens_per_s`` per sequence (0: as fast as the ring takes
 them), never more than ``max_tokens``, and stop at EOS or a stop token id,
 which is not emitted. Pure: the caller passes ``now``.
@@ -71,13 +72,15 @@ class Engine:
         return len(self._active)
 
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
-        self._active[record.request_id] = _Sequence(record, self._source(prompt), now)
+        source = self._source(prompt, record.params.seed)
+        self._active[record.request_id] = _Sequence(record, source, now)
         self.stats.admitted += 1
 
-    def _source(self, prompt: tuple[int, ...]) -> Iterator[int]:
+    def _source(self, prompt: tuple[int, ...], seed: int | None) -> Iterator[int]:
         if self.mode == "echo":
             return iter(prompt)
-        start = self._starts[zlib.crc32(repr(prompt).encode()) % len(self._starts)]
+        # The seed picks the document too, so that n > 1 choices with seeds differ.
+        start = self._starts[zlib.crc32(repr((prompt, seed)).encode()) % len(self._starts)]
         stream = self._stream
 
         def walk() -> Iterator[int]:

@@ -4,9 +4,12 @@
 until they form whole characters. Two gaps are covered here:
 
 * it has no flush: at the end, the held-back tail is computed from a full
-  decode of every id (``finish``), so that for byte-level BPE vocabularies
-  (the bundled Qwen3 among them) the concatenated output equals
-  ``decode(ids)`` exactly;
+  decode of every id (``finish``), so that the concatenated output equals
+  the full decode of the continuation;
+* sentencepiece decoders drop the leading space of a sequence's first
+  token: the stream is primed with the prompt's last ids (``context``) and
+  the text is what the generated ids add after them
+  (``Vocabulary.decode_continuation``);
 * on some sentencepiece vocabularies it raises "Invalid prefix encountered"
   on garbage output: the stream is replaced by a fresh one and the same id
   stepped again, so the text goes on (a restarted stream has no left
@@ -17,17 +20,21 @@ from __future__ import annotations
 
 import logging
 
-from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from dpu_frontend.text.tokenizer import Vocabulary
 
 log = logging.getLogger("dpu_frontend.text")
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, vocab: Vocabulary, *, context: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._vocab = vocab
+        self._tokenizer = vocab.tokenizer
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context = list(context or ())
+        self._stream = self._new_stream()
         self.ids: list[int] = []
         self._emitted: list[str] = []
         self.resets = 0
@@ -52,12 +59,19 @@ class IncrementalDetokenizer:
             if "Invalid prefix" not in str(exc):
                 raise
         self.resets += 1
-        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        self._stream = self._new_stream()
         return self._stream.step(self._tokenizer, token_id)
+
+    def _new_stream(self) -> DecodeStream:
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        if self._context:
+            stream.step(self._tokenizer, self._context)  # priming: its text is the prompt's
+        return stream
 
     def finish(self) -> str:
         """The held-back tail: what ``decode(ids)`` has beyond the text already emitted."""
-        full = self._tokenizer.decode(self.ids, skip_special_tokens=self._skip)
+        full = self._vocab.decode_continuation(self._context, self.ids,
+                                               skip_special_tokens=self._skip)
         emitted = "".join(self._emitted)
         if not full.startswith(emitted):
             log.debug("streamed text differs from the full decode after %d ids (%d resets)",

@@ -1,0 +1,174 @@
+"""The one request path both generation endpoints share.
+
+``/v1/completions`` and ``/v1/chat/completions`` differ in how a request
+becomes prompts (token ids) and in the JSON of their answers; everything else
+(validation, the context check, sampling parameters, n choices, streaming
+with backpressure, usage, the error event) is here, once.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from aiohttp import web
+
+from dpu_frontend.engine.choices import ChoiceDelta, generate_choices
+from dpu_frontend.engine.service import Service, TextOptions
+from dpu_frontend.errors import ModelNotFound, PeerError, RequestError
+from dpu_frontend.http.errors import body_for
+from dpu_frontend.http.schemas import SamplingFields, parse
+from dpu_frontend.ring import SamplingParams
+
+Request = TypeVar("Request", bound=SamplingFields)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class Job:
+    """One validated request on its way to the GPU side."""
+
+    id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    n: int
+    usage_each_chunk: bool
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def usage(self) -> dict[str, int]:
+        done = sum(self.completion_tokens.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+
+class GenerationHandler(abc.ABC, Generic[Request]):
+    model_type: type[Request]
+    id_prefix: str  # "cmpl", "chatcmpl"
+    chunk_object: str  # the "object" of streamed events
+
+    def __init__(self, service: Service, model_name: str) -> None:
+        self.service = service
+        self.model_name = model_name
+
+    # -- what each endpoint defines ------------------------------------------
+
+    @abc.abstractmethod
+    async def prompts(self, req: Request) -> list[list[int]]:
+        """The request's prompts as token ids."""
+
+    @abc.abstractmethod
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """``max_tokens`` when the request gives none."""
+
+    @abc.abstractmethod
+    def requested_max_tokens(self, req: Request) -> int | None:
+        """``max_tokens`` as the request gives it."""
+
+    @abc.abstractmethod
+    def chunk(self, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
+        """One streamed event for ``delta``."""
+
+    def opening(self, job: Job) -> list[dict[str, Any]]:
+        """Events sent before any generated text (chat: the role of each choice)."""
+        return []
+
+    @abc.abstractmethod
+    def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
+        """The non-streamed response body."""
+
+    # -- the shared path ------------------------------------------------------
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        req = parse(self.model_type, await request.read())
+        if req.model != self.model_name:
+            raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model",
+                                code="model_not_found")
+        prompts = await self.prompts(req)
+        if any(not p for p in prompts):
+            raise RequestError("prompt encodes to zero tokens", param="prompt")
+        longest = max(len(p) for p in prompts)
+        max_tokens = self.requested_max_tokens(req) or max(1, self.default_max_tokens(longest))
+        self.service.check_length(longest, max_tokens)
+        each_chunk = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        job = Job(f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                  prompts, req.n, each_chunk)
+        options = TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output,
+                              req.skip_special_tokens)
+        choices = generate_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
+                                   options)
+        # aclosing: however this handler ends (a client that went away cancels it),
+        # the generations' cleanup runs now and the cancel records go out.
+        async with contextlib.aclosing(choices) as deltas:
+            if req.stream:
+                return await self._stream(request, job, deltas, req.include_usage)
+            return await self._collect(job, deltas)
+
+    async def _collect(self, job: Job, deltas: AsyncIterator[ChoiceDelta]) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        finish: dict[int, str] = {}
+        async for delta in deltas:
+            texts.setdefault(delta.index, []).append(delta.text)
+            job.completion_tokens[delta.index] = delta.completion_tokens
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+        if len(finish) != len(job.prompts) * job.n:
+            raise PeerError("GPU peer ended a sequence without a final record")
+        body = self.answer(job, {i: "".join(t) for i, t in texts.items()}, finish)
+        return web.json_response(body | {"usage": job.usage()})
+
+    async def _stream(self, request: web.Request, job: Job, deltas: AsyncIterator[ChoiceDelta],
+                      include_usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        usage: dict[str, Any] = {}
+        try:
+            for event in self.opening(job):
+                if include_usage:
+                    usage["usage"] = job.usage() if job.usage_each_chunk else None
+                await _send(response, event | usage)
+            async for delta in deltas:
+                job.completion_tokens[delta.index] = delta.completion_tokens
+                if delta.text or delta.finish_reason:
+                    if include_usage:
+                        usage["usage"] = job.usage() if job.usage_each_chunk else None
+                    # One awaited write per event: aiohttp applies backpressure here.
+                    await _send(response, self.chunk(job, delta) | usage)
+            if include_usage:
+                await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
+        except (RequestError, PeerError) as exc:
+            # The status line is gone: the error becomes an event, then the stream ends.
+            await _send(response, body_for(exc)[1])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def envelope(job: Job, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+            "choices": choices}
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+    )

@@ -1,0 +1,84 @@
+"""/openapi.json, generated from the very models the handlers validate with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from dpu_frontend import __version__
+from dpu_frontend.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": "OpenAI-style error"} | _json(_ref(ErrorResponse))
+            for s in statuses}
+
+
+def build(model_name: str) -> dict[str, Any]:
+    models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest,
+                                     TokenizeCompletionRequest, TokenizeChatRequest,
+                                     DetokenizeRequest, ErrorResponse]
+    _, schemas = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    generation = {"200": {"description": "the completion; `text/event-stream` of chunks "
+                                         "ending with `data: [DONE]` when `stream` is true",
+                          "content": {"application/json": {}, "text/event-stream": {}}},
+                  **_errors(400, 404, 503)}
+
+    def post(summary: str, body: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {"summary": summary, "requestBody": {"required": True} | _json(body),
+                         "responses": responses}}
+
+    def get(summary: str) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "dpu-frontend", "version": __version__,
+                 "description": f"OpenAI-compatible API serving `{model_name}`."},
+        "paths": {
+            "/v1/completions": post("Text completion", _ref(CompletionRequest), generation),
+            "/v1/chat/completions": post("Chat completion", _ref(ChatCompletionRequest),
+                                         generation),
+            "/tokenize": post("Tokenize a prompt or chat messages",
+                              {"oneOf": [_ref(TokenizeCompletionRequest),
+                                         _ref(TokenizeChatRequest)]},
+                              {"200": {"description": "count, max_model_len, tokens"},
+                               **_errors(400, 404)}),
+            "/detokenize": post("Detokenize token ids", _ref(DetokenizeRequest),
+                                {"200": {"description": "prompt"}, **_errors(400, 404)}),
+            "/v1/models": get("The served model"),
+            "/health": get("200 while the GPU peer is connected, 503 otherwise"),
+            "/version": get("The daemon's version"),
+            "/openapi.json": get("This document"),
+        },
+        "components": {"schemas": schemas.get("$defs", {})},
+    }

@@ -1,0 +1,222 @@
+"""Request models: what the handlers validate with and what /openapi.json describes.
+
+Strict pydantic models (no "5" for 5, no true for 1), unknown fields
+refused. Parameters the GPU side cannot honour are named in ``UNSUPPORTED``
+and refused with a 400 that says why, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from dpu_frontend.errors import RequestError
+from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
+
+TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+
+#: Parameters clients send that the ring protocol v1 does not carry, with the
+#: reason given back. A value equal to "off" (null, false, 0) is accepted.
+UNSUPPORTED = {
+    "logprobs": "log probabilities are not carried by the ring protocol",
+    "top_logprobs": "log probabilities are not carried by the ring protocol",
+    "echo": "echo is not supported",
+    "best_of": "best_of is not supported; use n",
+    "logit_bias": "logit_bias is not carried by the ring protocol",
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "response_format": "structured output is not supported",
+    "guided_json": "structured output is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning effort is not supported",
+    "web_search_options": "web search is not supported",
+}
+_OFF = (None, False, 0, "none", "auto", "text")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields both generation endpoints share; all go to the GPU side or the stop matcher."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=U32_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, options: StreamOptions | None,
+                              info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream=true")
+        return options
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message. Extra keys (``tool_call_id``, ...) reach the template as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=U32_MAX)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` with chat messages (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse(model: type[Model], body: bytes) -> Model:
+    """Validate a JSON body; every failure becomes a 400 naming the parameter."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    refuse_unsupported(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise request_error(exc) from exc
+
+
+def refuse_unsupported(data: dict[str, Any]) -> None:
+    for name, reason in UNSUPPORTED.items():
+        value = data.get(name)
+        if value in _OFF or value == [] or (isinstance(value, dict) and value.get("type") == "text"):
+            continue
+        if name in data:
+            raise RequestError(f"'{name}' is not supported: {reason}", param=name,
+                               code="unsupported_parameter")
+
+
+def request_error(exc: ValidationError) -> RequestError:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "extra_forbidden":
+        return RequestError(f"unknown parameter '{'.'.join(loc)}'", param=loc[0] if loc else None,
+                            code="unknown_parameter")
+    where = ".".join(loc)
+    message = f"{where}: {first['msg']}" if where else first["msg"]
+    return RequestError(message, param=loc[0] if loc else None)

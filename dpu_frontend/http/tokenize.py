@@ -1,0 +1,58 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes (users script against them)."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from dpu_frontend.engine.service import Service
+from dpu_frontend.errors import ModelNotFound, RequestError
+from dpu_frontend.http.chat import render
+from dpu_frontend.http.schemas import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse,
+)
+
+
+class TokenizeHandlers:
+    def __init__(self, service: Service, model_name: str) -> None:
+        self.service = service
+        self.model_name = model_name
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model",
+                                code="model_not_found")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            is_chat = isinstance(data := json.loads(body), dict) and "messages" in data
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        if is_chat:
+            chat = parse(TokenizeChatRequest, body)
+            self._check_model(chat.model)
+            text = render(self.service.chat_template, chat.messages, chat.add_generation_prompt,
+                          chat.continue_final_message, chat.chat_template_kwargs)
+            tokens = await self.service.tokenize(text, add_special_tokens=chat.add_special_tokens)
+        else:
+            req = parse(TokenizeCompletionRequest, body)
+            self._check_model(req.model)
+            tokens = await self.service.tokenize(req.prompt,
+                                                 add_special_tokens=req.add_special_tokens)
+        return web.json_response({"count": len(tokens), "max_model_len": self.service.max_model_len,
+                                  "tokens": tokens, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = parse(DetokenizeRequest, await request.read())
+        self._check_model(req.model)
+        vocab_size = self.service.vocab.tokenizer.get_vocab_size()
+        bad = [t for t in req.tokens if t >= vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary ({vocab_size})",
+                               param="tokens")
+        return web.json_response({"prompt": self.service.vocab.decode(req.tokens)})

@@ -1,0 +1,112 @@
+"""Chat templates rendered the way Hugging Face renders them.
+
+A real template engine (jinja2, sandboxed and immutable), configured as
+``transformers`` configures it: ``trim_blocks``, ``lstrip_blocks``, the
+``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text,
+``raise_exception`` and ``strftime_now``, and the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...) in the context. The template is compiled
+once at start-up; a template that raises for a request is that request's
+400.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dpu_frontend.errors import RequestError, StartupError
+from dpu_frontend.text.tokenizer import Vocabulary
+
+
+class TemplateRaised(RequestError):
+    """The template refused the conversation (``raise_exception``) or failed on it."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, Any], origin: str) -> None:
+        self.source = source
+        self.origin = origin
+        self.special_tokens = special_tokens
+        try:
+            self._template = environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise StartupError(f"chat template {origin}: line {exc.lineno}: {exc.message}") from exc
+
+    @classmethod
+    def from_file(cls, path: Path, special_tokens: dict[str, Any]) -> ChatTemplate:
+        try:
+            return cls(path.read_text(encoding="utf-8"), special_tokens, str(path))
+        except OSError as exc:
+            raise StartupError(f"cannot read chat template {path}: {exc}") from exc
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False,
+               kwargs: dict[str, Any] | None = None) -> str:
+        context = {**self.special_tokens, **(kwargs or {})}
+        try:
+            rendered = self._template.render(messages=messages, tools=None, documents=None,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **context)
+        except jinja2.TemplateError as exc:
+            raise TemplateRaised(f"chat template error: {exc}", param="messages",
+                                 code="chat_template_error") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise TemplateRaised(f"chat template failed on these messages: {exc}",
+                                 param="messages", code="chat_template_error") from exc
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages[-1].get("content"))
+        return str(rendered)
+
+
+def _cut_after_final_message(rendered: str, final: Any) -> str:
+    """End the prompt right after the last message's text, so the model continues it."""
+    if not isinstance(final, str) or not final.strip():
+        raise RequestError("continue_final_message needs a final message with text content",
+                           param="messages")
+    stripped = final.strip()
+    at = rendered.rfind(stripped)
+    if at == -1:
+        raise TemplateRaised("continue_final_message: the template does not render the final "
+                             "message's content", param="messages", code="chat_template_error")
+    if rendered[at:at + len(final.lstrip())] == final.lstrip():
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(stripped)]
+
+
+def load_chat_template(vocab: Vocabulary, override: Path | None) -> ChatTemplate | None:
+    """The template to serve chat with: ``override`` (a .jinja file), else the tokenizer's."""
+    if override is not None:
+        return ChatTemplate.from_file(override, vocab.special_tokens)
+    if vocab.chat_template is None:
+        return None
+    return ChatTemplate(vocab.chat_template, vocab.special_tokens,
+                        f"{vocab.source.parent}/tokenizer_config.json")

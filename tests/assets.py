@@ -1,0 +1,26 @@
+"""The test tokenizers installed by ``python -m tests.tools.assets`` (deploy/dev.sh does it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dpu_frontend.text.assets import default_tokenizer_dir
+
+ASSETS = Path(os.environ.get("DPU_FRONTEND_ASSETS", Path(__file__).parent.parent / "build/assets"))
+TOKENIZERS = ("qwen3", "llama3_1", "gpt2", "mistral")
+
+
+def tokenizer_dir(name: str) -> Path:
+    """The folder of a test tokenizer; a missing one skips, or fails where assets are required."""
+    if name == "qwen3":
+        return default_tokenizer_dir()
+    folder = ASSETS / "tokenizers" / name
+    if not (folder / "tokenizer.json").is_file():
+        message = f"test tokenizer {name} missing in {folder}: python -m tests.tools.assets"
+        if os.environ.get("DPU_FRONTEND_REQUIRE_ASSETS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return folder
