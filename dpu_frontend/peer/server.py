@@ -226,6 +226,8 @@ class PeerServer:
         if self._resources is not None:
             self._resources.close()
         self._anchor = None
+        for channel in self._channels:
+            channel.ring.release()
         self._channels.clear()
         if self._view is not None:
             self._view.release()

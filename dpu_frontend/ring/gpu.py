@@ -6,18 +6,22 @@ sequence below is annotated with the fence a CUDA kernel needs in its place
 (docs/protocol.md, "Memory ordering"). The reference peer runs it in Python,
 where x86-64's total store order keeps loads and stores in program order,
 so no explicit fence exists to write here.
+
+Every counter and validity marker is one aligned 8-byte load or store
+(``self._words``, a ``Q`` view of the region). ``struct.pack_into`` would be
+wrong here: it zero-fills its target before writing the value, so a reader
+polling concurrently can see a transient 0 (the integration tests caught
+exactly that: a ``req_consumed`` going back to 0).
 """
 
 from __future__ import annotations
 
 import array
-import struct
 import sys
 
 from dpu_frontend.errors import ProtocolError
-from dpu_frontend.ring.layout import CTRL_SIZE, DPU_CTRL, ChannelLayout
+from dpu_frontend.ring.layout import CTRL_SIZE, ChannelLayout
 from dpu_frontend.ring.records import (
-    COMMIT,
     GenerateRecord,
     RequestRecord,
     ResponseRecord,
@@ -25,18 +29,22 @@ from dpu_frontend.ring.records import (
     encode_response_body,
 )
 
-# Fields of the GPU control block (layout.GPU_CTRL), each stored on its own.
-GPU_CTRL_U64 = struct.Struct("<Q")
+# Fields of the GPU control block (layout.GPU_CTRL), in 8-byte words.
 _RESP_PRODUCED = 0
-_REQ_CONSUMED = 8
-_HEARTBEAT = 16
+_REQ_CONSUMED = 1
+_HEARTBEAT = 2
 
 
 class GpuChannel:
     """Consume request records and publish response records in ``mem``."""
 
     def __init__(self, mem: memoryview, layout: ChannelLayout) -> None:
+        if sys.byteorder != "little":
+            raise ValueError("the reference peer stores native words: it needs a little-endian host")
         self.mem = mem
+        self._words = mem.cast("B").cast("Q")  # the region's 8-byte words, for single stores
+        self._gpu_ctrl = layout.gpu_ctrl_offset // 8
+        self._dpu_ctrl = layout.dpu_ctrl_offset // 8
         self.layout = layout
         self._next_seq = 1
         self._produced = 0
@@ -66,10 +74,10 @@ class GpuChannel:
         issues ``__threadfence()`` before reading the body (acquire).
         """
         out: list[tuple[RequestRecord, tuple[int, ...]]] = []
-        lay, mem = self.layout, self.mem
+        lay, mem, words = self.layout, self.mem, self._words
         while True:
             slot = lay.req_slot_offset(self._next_seq)
-            if COMMIT.unpack_from(mem, slot)[0] != self._next_seq:
+            if words[slot // 8] != self._next_seq:
                 break
             record = decode_request(mem[slot:slot + lay.req_slot_size])
             prompt: tuple[int, ...] = ()
@@ -80,7 +88,7 @@ class GpuChannel:
         if out:
             # The prompt is copied out above, so the DPU may reuse the slots and
             # the arena span as soon as it sees this index. CUDA: fence first.
-            GPU_CTRL_U64.pack_into(mem, lay.gpu_ctrl_offset + _REQ_CONSUMED, self._next_seq - 1)
+            words[self._gpu_ctrl + _REQ_CONSUMED] = self._next_seq - 1
         return out
 
     def _read_prompt(self, record: GenerateRecord) -> tuple[int, ...]:
@@ -98,7 +106,7 @@ class GpuChannel:
         return tuple(ids)
 
     def free_response_slots(self) -> int:
-        released: int = DPU_CTRL.unpack_from(self.mem, self.layout.dpu_ctrl_offset)[0]
+        released = self._words[self._dpu_ctrl]  # resp_consumed, written by the DPU
         return self.layout.resp_slots - (self._produced - released)
 
     def publish(self, records: list[ResponseRecord]) -> int:
@@ -109,7 +117,7 @@ class GpuChannel:
         ``__threadfence_system()`` before each of those two publishing stores,
         so that a DMA read ordered after them sees everything they cover.
         """
-        lay, mem = self.layout, self.mem
+        lay, mem, words = self.layout, self.mem, self._words
         n = min(len(records), self.free_response_slots())
         for i in range(n):
             position = self._produced + i
@@ -117,16 +125,20 @@ class GpuChannel:
             mem[slot + 8:slot + lay.resp_slot_size] = encode_response_body(
                 records[i], lay.resp_slot_size
             )
-            COMMIT.pack_into(mem, slot, position + 1)
+            words[slot // 8] = position + 1
         if n:
             self._produced += n
-            GPU_CTRL_U64.pack_into(mem, lay.gpu_ctrl_offset + _RESP_PRODUCED, self._produced)
+            words[self._gpu_ctrl + _RESP_PRODUCED] = self._produced
         return n
 
     def beat(self) -> None:
         """Advance the liveness counter the daemon watches."""
         self._heartbeat += 1
-        GPU_CTRL_U64.pack_into(self.mem, self.layout.gpu_ctrl_offset + _HEARTBEAT, self._heartbeat)
+        self._words[self._gpu_ctrl + _HEARTBEAT] = self._heartbeat
+
+    def release(self) -> None:
+        """Drop this object's views of the region (before the region is unmapped)."""
+        self._words.release()
 
     @property
     def produced(self) -> int:

@@ -8,12 +8,13 @@ import signal
 import time
 
 import aiohttp
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from dpu_frontend.peer.engine import Engine, default_corpus
 from dpu_frontend.ring import FinishReason, GenerateRecord, SamplingParams
 from dpu_frontend.ring.layout import Geometry
 from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.stack import MODEL, Stack
 
@@ -22,18 +23,7 @@ PROMPT = "Tell me about the request ring."
 
 def peer_generation(vocab: Vocabulary, prompt: str, max_tokens: int) -> tuple[list[int], str]:
     """The ids the reference peer generates for ``prompt`` (its engine is deterministic)."""
-    per_record = Geometry().plan(1).channels[0].tokens_per_response
-    engine = Engine(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
-                    eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_record=per_record)
-    engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens)),
-                 tuple(vocab.encode(prompt)), time.monotonic())
-    ids: list[int] = []
-    finish = FinishReason.NONE
-    while finish == FinishReason.NONE:
-        for record in engine.step(time.monotonic(), 64):
-            ids += record.tokens
-            finish = record.finish
-    return ids, {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}[finish]
+    return replay_generation(vocab, vocab.encode(prompt), max_tokens)
 
 
 def load_vocab() -> Vocabulary:
@@ -115,3 +105,59 @@ async def check_peer_killed_mid_stream(stack: Stack) -> None:
         async with await full as answer:
             assert answer.status == 503
             assert (await answer.json())["error"]["type"] == "service_unavailable"
+
+
+CHAT = [{"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "What is a request ring? 🚀"}]
+
+
+def chat_prompt_ids(vocab: Vocabulary) -> list[int]:
+    """The prompt the daemon must send for CHAT: the template rendered, tokenized as HF does."""
+    template = load_chat_template(vocab, None)
+    assert template is not None
+    return vocab.encode(template.render(CHAT, add_generation_prompt=True),
+                        add_special_tokens=False)
+
+
+def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
+                      seed: int | None = None) -> tuple[list[int], str]:
+    """The ids the reference peer generates for these prompt ids (its engine is deterministic)."""
+    per_record = Geometry().plan(1).channels[0].tokens_per_response
+    engine = Engine(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
+                    eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_record=per_record)
+    engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens, seed=seed)),
+                 tuple(prompt_ids), time.monotonic())
+    ids: list[int] = []
+    finish = FinishReason.NONE
+    while finish == FinishReason.NONE:
+        for record in engine.step(time.monotonic(), 64):
+            ids += record.tokens
+            finish = record.finish
+    return ids, {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}[finish]
+
+
+async def check_chat_stream_sdk(stack: Stack) -> None:
+    """Chat through the async SDK, streamed: role first, then content equal to the full decode."""
+    vocab = load_vocab()
+    ids, finish = replay_generation(vocab, chat_prompt_ids(vocab), 40)
+    expected = vocab.decode(ids)
+    client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=40, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        full = await client.chat.completions.create(model=MODEL, messages=CHAT,  # type: ignore[arg-type]
+                                                    max_tokens=40)
+    finally:
+        await client.close()
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and not first.content
+    content = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(content) == expected == full.choices[0].message.content
+    assert len([c for c in content if c]) > 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == finish == full.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(ids)
+    assert full.usage is not None
+    assert full.usage.prompt_tokens == len(chat_prompt_ids(vocab))

@@ -1,0 +1,98 @@
+"""Chat templates render exactly as Hugging Face's own renderer (transformers) renders them."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from dpu_frontend.errors import RequestError, StartupError
+from dpu_frontend.text.chat_template import ChatTemplate, TemplateRaised, load_chat_template
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.assets import tokenizer_dir
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why?"}],
+    [{"role": "user", "content": "日本語で答えて 🚀"}, {"role": "assistant", "content": "はい。"},
+     {"role": "user", "content": "Thanks, \"quoted\" and\nmulti-line."}],
+    [{"role": "system", "content": "  spaces around  "}, {"role": "user", "content": ""}],
+]
+
+STRICT = (
+    "{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{{ bos_token }}[{{ m['role'] }}] {{ m['content'] | tojson }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@functools.cache
+def vocab(name: str) -> Vocabulary:
+    return Vocabulary.load(tokenizer_dir(name))
+
+
+def reference(source: str, v: Vocabulary, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    rendered, _ = render_jinja_template([messages], chat_template=source, **v.special_tokens,
+                                        **kwargs)
+    return str(rendered[0])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_tokenizer_templates_match_hugging_face(name: str, messages: list[dict[str, Any]],
+                                                add_generation_prompt: bool) -> None:
+    v = vocab(name)
+    template = load_chat_template(v, None)
+    assert template is not None
+    ours = template.render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == reference(template.source, v, messages,
+                             add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+def test_continue_final_message_matches_hugging_face(name: str) -> None:
+    v = vocab(name)
+    template = load_chat_template(v, None)
+    assert template is not None
+    messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1, 2,"}]
+    ours = template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours == reference(template.source, v, messages, continue_final_message=True)
+    assert ours.endswith("1, 2,")
+
+
+def test_template_file_with_raise_exception(tmp_path: Path) -> None:
+    path = tmp_path / "strict.jinja"
+    path.write_text(STRICT)
+    v = vocab("llama3_1")
+    template = ChatTemplate.from_file(path, v.special_tokens)
+    good = [{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}]
+    assert template.render(good) == reference(STRICT, v, good, add_generation_prompt=True)
+    with pytest.raises(TemplateRaised, match="roles must alternate"):
+        template.render([{"role": "assistant", "content": "x"}])
+
+
+def test_a_broken_template_is_a_startup_error() -> None:
+    with pytest.raises(StartupError, match="line 1"):
+        ChatTemplate("{% for %}", {}, "inline")
+
+
+def test_template_failure_on_odd_input_is_a_request_error() -> None:
+    template = ChatTemplate("{{ messages[5]['content'] }}", {}, "inline")
+    with pytest.raises(RequestError):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_sandbox_refuses_unsafe_access() -> None:
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}", {}, "inline")
+    with pytest.raises(RequestError, match="chat template"):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_tokenizer_without_template() -> None:
+    assert load_chat_template(vocab("mistral"), None) is None
