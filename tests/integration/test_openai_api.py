@@ -86,13 +86,15 @@ def test_prompt_forms_and_n(client: OpenAI, vocab: Vocabulary) -> None:
 
     seeded = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, n=2, seed=5)
     assert [c.index for c in seeded.choices] == [0, 1, 2, 3]
+    generated = 0
     for i, prompt in enumerate(prompts):
         for j in range(2):
-            want = vocab.decode(replay_generation(vocab, vocab.encode(prompt), 12, seed=5 + j)[0])
-            assert seeded.choices[i * 2 + j].text == want
+            want, _ = replay_generation(vocab, vocab.encode(prompt), 12, seed=5 + j)
+            assert seeded.choices[i * 2 + j].text == vocab.decode(want)
+            generated += len(want)
     assert seeded.usage is not None
-    assert seeded.usage.completion_tokens == sum(
-        len(vocab.encode(c.text, add_special_tokens=False)) for c in seeded.choices) or True
+    assert seeded.usage.completion_tokens == generated
+    assert seeded.usage.prompt_tokens == sum(len(i) for i in ids)  # each prompt once, not n times
 
 
 def test_streamed_n_choices_interleave_and_all_finish(client: OpenAI, vocab: Vocabulary) -> None:

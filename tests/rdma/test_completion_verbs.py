@@ -6,7 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.scenarios import check_peer_killed_mid_stream, check_stream_equals_full_and_decode
+from tests.integration.scenarios import (
+    check_chat_stream_sdk,
+    check_peer_killed_mid_stream,
+    check_stream_equals_full_and_decode,
+)
 from tests.stack import Stack, running_stack
 
 pytestmark = pytest.mark.rdma
@@ -20,6 +24,10 @@ def verbs_stack() -> Iterator[Stack]:
 
 async def test_streamed_equals_full_equals_decode(verbs_stack: Stack) -> None:
     await check_stream_equals_full_and_decode(verbs_stack)
+
+
+async def test_chat_stream_with_the_async_sdk(verbs_stack: Stack) -> None:
+    await check_chat_stream_sdk(verbs_stack)
 
 
 async def test_peer_killed_mid_stream() -> None:
