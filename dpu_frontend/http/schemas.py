@@ -28,7 +28,7 @@ MAX_STOP_STRINGS = 16
 MAX_N = 16
 
 #: Parameters clients send that the ring protocol v1 does not carry, with the
-#: reason given back. A value equal to "off" (null, false, 0) is accepted.
+#: reason given back. A value that asks for nothing (``_OFF``) is accepted.
 UNSUPPORTED = {
     "logprobs": "log probabilities are not carried by the ring protocol",
     "top_logprobs": "log probabilities are not carried by the ring protocol",
@@ -49,7 +49,11 @@ UNSUPPORTED = {
     "reasoning_effort": "reasoning effort is not supported",
     "web_search_options": "web search is not supported",
 }
-_OFF = (None, False, 0, "none", "auto", "text")
+_OFF: dict[str, tuple[Any, ...]] = {
+    "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+    "modalities": (["text"],), "reasoning_effort": (),
+}
 
 
 class _Strict(BaseModel):
@@ -194,21 +198,20 @@ def parse(model: type[Model], body: bytes) -> Model:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
-    refuse_unsupported(data)
     try:
-        return model.model_validate(data)
+        return model.model_validate(without_unsupported(data))
     except ValidationError as exc:
         raise request_error(exc) from exc
 
 
-def refuse_unsupported(data: dict[str, Any]) -> None:
-    for name, reason in UNSUPPORTED.items():
-        value = data.get(name)
-        if value in _OFF or value == [] or (isinstance(value, dict) and value.get("type") == "text"):
-            continue
-        if name in data:
-            raise RequestError(f"'{name}' is not supported: {reason}", param=name,
+def without_unsupported(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` less the unsupported parameters that ask for nothing; a 400 for any other."""
+    for name in [n for n in UNSUPPORTED if n in data]:
+        value = data[name]
+        if not (value is None or value is False or value in _OFF.get(name, ())):
+            raise RequestError(f"'{name}' is not supported: {UNSUPPORTED[name]}", param=name,
                                code="unsupported_parameter")
+    return {k: v for k, v in data.items() if k not in UNSUPPORTED}
 
 
 def request_error(exc: ValidationError) -> RequestError:

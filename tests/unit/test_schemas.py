@@ -1,0 +1,72 @@
+"""Request validation: strict types, unknown and unsupported parameters named."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dpu_frontend.errors import RequestError
+from dpu_frontend.http.schemas import ChatCompletionRequest, CompletionRequest, parse
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return parse(CompletionRequest, json.dumps({"model": "m", "prompt": "p", **fields}).encode())
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    return parse(ChatCompletionRequest, json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"logprobs": 0}, "logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"stream": 1}, "stream"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_completion_refusals_name_the_parameter(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        completion(**fields)
+    assert info.value.param == param
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("fields", [
+    {"logprobs": None}, {"logprobs": False}, {"tool_choice": "none"}, {"tools": []},
+    {"response_format": {"type": "text"}}, {"top_logprobs": 0}, {"parallel_tool_calls": True},
+])
+def test_values_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> None:
+    chat(**fields)
+
+
+def test_chat_specifics() -> None:
+    assert chat(max_completion_tokens=7).max_new_tokens == 7
+    assert chat(max_tokens=5).max_new_tokens == 5
+    with pytest.raises(RequestError, match="exclusive"):
+        chat(add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(RequestError) as info:
+        chat(tools=[{"type": "function"}])
+    assert info.value.param == "tools" and info.value.code == "unsupported_parameter"
+    parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                         {"type": "text", "text": "b"}]}])
+    assert parts.messages[0].for_template() == {"role": "user", "content": "ab"}
+
+
+def test_body_must_be_a_json_object() -> None:
+    with pytest.raises(RequestError, match="JSON object"):
+        parse(CompletionRequest, b"[1, 2]")
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse(CompletionRequest, b'{"model":')
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse(CompletionRequest, b"\xff\xfe")
