@@ -101,6 +101,7 @@ def main() -> None:
         "bare limit: DecodeStream.step ns/token": round(step_s / len(stream_ids) * 1e9, 1),
         "tokens per record": per,
     })
+    gpu.release()
     view.release()
     region.close()
 
