@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon (OpenAI-compatible HTTP in front "
                                          "of a GPU peer)")
     _common(serve)
-    serve.add_argument("--peer", default=f"127.0.0.1:{DEFAULT_PEER_PORT}",
-                       help="GPU peer control address HOST:PORT")
+    serve.add_argument("--peer", action="append", default=[],
+                       help="GPU peer control address HOST:PORT; repeat for several GPUs "
+                            f"(default 127.0.0.1:{DEFAULT_PEER_PORT})")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     serve.add_argument("--port", type=int, default=8000, help="HTTP listen port (0: any)")
     serve.add_argument("--model-name", default="qwen3", help="the model name clients send")
@@ -64,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the peer's ring pair to claim (-1: any free one)")
     serve.add_argument("--poll-interval", type=float, default=0.0005,
                        help="seconds between response-ring polls while requests are in flight")
+    serve.add_argument("--peer-timeout", type=float, default=1.0,
+                       help="seconds without a heartbeat or an RDMA completion before a peer "
+                            "is failed and its streams end with an error")
+    serve.add_argument("--reconnect-max", type=float, default=5.0,
+                       help="longest wait between reconnection attempts, seconds")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="requests waiting for each peer's request ring before 429")
+    serve.add_argument("--max-queued-prompt-tokens", type=int, default=1 << 20,
+                       help="prompt tokens waiting for each peer's request ring before 429")
+    serve.add_argument("--stream-buffer-records", type=int, default=4096,
+                       help="response records buffered for one slow client before it is cut off")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds open requests get to finish on SIGTERM")
+    serve.add_argument("--tokenizer-threads", type=int, default=2,
+                       help="threads tokenizing prompts (off the event loop)")
 
     peer = sub.add_parser("peer", help="run the reference GPU peer")
     _common(peer)
@@ -103,12 +119,18 @@ def _rdma(args: argparse.Namespace) -> RdmaConfig:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
+    peers = args.peer or [f"127.0.0.1:{DEFAULT_PEER_PORT}"]
     return ServeConfig(
-        peer=PeerAddress.parse(args.peer), transport=args.transport, rdma=_rdma(args),
+        peers=tuple(PeerAddress.parse(p) for p in peers), transport=args.transport,
+        rdma=_rdma(args),
         host=args.host, port=args.port, model_name=args.model_name, tokenizer=args.tokenizer,
         chat_template=args.chat_template,
         max_model_len=args.max_model_len, channel=args.channel,
-        poll_interval_s=args.poll_interval,
+        poll_interval_s=args.poll_interval, peer_timeout_s=args.peer_timeout,
+        reconnect_max_s=args.reconnect_max, max_queued_requests=args.max_queued_requests,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        stream_buffer_records=args.stream_buffer_records, drain_timeout_s=args.drain_timeout,
+        tokenizer_threads=args.tokenizer_threads,
     )
 
 

@@ -65,7 +65,7 @@ class RdmaConfig:
 class ServeConfig:
     """The daemon (``dpu-frontend serve``)."""
 
-    peer: PeerAddress
+    peers: tuple[PeerAddress, ...]  # one per GPU; requests go to the least loaded
     transport: str = "verbs"
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
     host: str = "127.0.0.1"
@@ -78,10 +78,35 @@ class ServeConfig:
     poll_interval_s: float = 0.0005  # between polls while requests are in flight
     idle_poll_interval_s: float = 0.01  # between polls with nothing in flight
     connect_timeout_s: float = 10.0
+    # A peer is failed when its heartbeat stops or an RDMA operation does not
+    # complete for this long; every open stream then gets its error.
+    peer_timeout_s: float = 1.0
+    reconnect_initial_s: float = 0.1  # first retry after a failure, doubling ...
+    reconnect_max_s: float = 5.0  # ... up to this
+    # Admission: the queue in front of each peer's request ring.
+    max_queued_requests: int = 1024
+    max_queued_prompt_tokens: int = 1 << 20
+    stream_buffer_records: int = 4096  # per request; a slower client is cut off
+    drain_timeout_s: float = 30.0
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
         _check_transport(self.transport)
         _check_port("port", self.port)
+        if not self.peers:
+            raise ValueError("peers: at least one GPU peer address is needed")
+        if len(set(self.peers)) != len(self.peers):
+            raise ValueError("peers: the same address is listed twice")
+        for name in ("peer_timeout_s", "reconnect_initial_s", "reconnect_max_s",
+                     "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
+        for name in ("max_queued_requests", "max_queued_prompt_tokens", "stream_buffer_records",
+                     "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:

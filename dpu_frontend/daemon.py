@@ -1,20 +1,28 @@
 """``dpu-frontend serve``: start-up, serving, and shutdown in order.
 
-Start: load the tokenizer, connect the GPU peer (handshake, layout check),
-then bind HTTP. Stop (SIGTERM/SIGINT): stop accepting, end open streams,
-close the link (QP, MRs, PD, context), exit.
+Start: load the tokenizer and chat template, connect the GPU peers
+(handshake, layout check), then bind HTTP. A lost peer is reconnected in
+the background; the daemon keeps serving with the others.
+
+Stop (SIGTERM/SIGINT): report not-ready on /health and refuse new requests
+(503), stop accepting connections, give open requests ``drain_timeout_s``
+to finish, end the rest with an explicit error (their generation cancelled
+on the GPU side), close the HTTP server, then the peer links (QPs, MRs, PD,
+context), and exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 from aiohttp import web
 
 from dpu_frontend.config import ServeConfig
-from dpu_frontend.engine.link import PeerLink
+from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
+from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.text.assets import default_tokenizer_dir
@@ -23,61 +31,82 @@ from dpu_frontend.text.tokenizer import Vocabulary
 
 log = logging.getLogger("dpu_frontend.http")
 
-SHUTDOWN_TIMEOUT_S = 10.0
+#: After the drain, what aiohttp still gives handlers to write their last event.
+CLOSE_GRACE_S = 5.0
+
+
+def raise_open_files_limit() -> int:
+    """Thousands of streams need thousands of sockets: lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
 
 
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.link = PeerLink(config)
+        self.pool = PeerPool(config)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
+        self.site: web.TCPSite | None = None
         self.port = config.port
 
     async def start(self) -> None:
         cfg = self.config
+        files = raise_open_files_limit()
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
         template = load_chat_template(vocab, cfg.chat_template)
-        await self.link.start()
-        self.service = Service(cfg, vocab, self.link, template)
+        await self.pool.start()
+        self.service = Service(cfg, vocab, self.pool, template)
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
         self.runner = web.AppRunner(create_app(self.service, cfg.model_name),
                                     handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                                    shutdown_timeout=CLOSE_GRACE_S)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, cfg.host, cfg.port)
-        await site.start()
+        self.site = web.TCPSite(self.runner, cfg.host, cfg.port)
+        await self.site.start()
         self.port = self.runner.addresses[0][1]
-        log.info("serving %s on http://%s:%d", cfg.model_name, cfg.host, self.port)
+        log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d)",
+                 cfg.model_name, cfg.host, self.port, len(self.pool.links), files)
         print(f"daemon listening on http://{cfg.host}:{self.port}", flush=True)
+
+    async def drain(self) -> None:
+        """Refuse new work, let open requests finish, end the rest explicitly."""
+        self.pool.draining = True
+        if self.site is not None:
+            await self.site.stop()  # no new connections
+        in_flight = self.pool.in_flight
+        log.info("draining: %d open requests, up to %.1f s", in_flight,
+                 self.config.drain_timeout_s)
+        try:
+            async with asyncio.timeout(self.config.drain_timeout_s):
+                await self.pool.wait_idle()
+        except TimeoutError:
+            left = self.pool.in_flight
+            log.warning("drain timeout: ending %d open requests with an error", left)
+            self.pool.abort(Unavailable("the daemon is shutting down: the drain timeout ended "
+                                        "this request"))
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-        await self.link.close()
+        await self.pool.close()
         if self.service is not None:
             self.service.close()
 
 
 async def serve(config: ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT (exit 0) or until the GPU peer is lost (exit 1).
-
-    Reconnection is not built yet: a lost peer ends the process so that its
-    supervisor (systemd ``Restart=on-failure``) starts it afresh.
-    """
+    """Run until SIGTERM/SIGINT, then drain and stop; exit status 0."""
     daemon = Daemon(config)
     stop = stop_on_signals()
     try:
         await daemon.start()
-        waiter = asyncio.create_task(stop.wait())
-        failed = asyncio.create_task(daemon.link.down.wait())
-        done, _ = await asyncio.wait({waiter, failed}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (waiter, failed):
-            task.cancel()
-        if failed in done:
-            log.error("GPU peer lost: %s", daemon.link.error)
-            return 1
+        await stop.wait()
+        await daemon.drain()
         return 0
     finally:
         await daemon.stop()
+
+

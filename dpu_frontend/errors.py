@@ -39,11 +39,35 @@ class PromptTooLong(RequestError):
     """The prompt cannot fit the model context or the peer's prompt arena."""
 
 
+class Overloaded(RequestError):
+    """The queue in front of the request rings is full: try again shortly (429)."""
+
+    status = 429
+    type = "rate_limit_error"
+    retry_after = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="overloaded")
+
+
+class ClientTooSlow(RequestError):
+    """A streaming client fell so far behind that its buffer is full; the request is
+    cancelled on the GPU side rather than buffered without bound."""
+
+    status = 408
+    type = "client_too_slow"
+
+
 class PeerError(DpuFrontendError):
     """The GPU peer cannot serve: the link is down or broke mid-request."""
 
     status = 503
     type = "service_unavailable"
+    retry_after = 1
+
+
+class Unavailable(PeerError):
+    """No capacity at all: no GPU peer is up, or the daemon is draining (503)."""
 
 
 class ProtocolError(PeerError):

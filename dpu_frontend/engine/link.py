@@ -1,11 +1,16 @@
-"""One channel to one GPU peer: bootstrap, the poll loop, and per-request streams.
+"""One channel to one GPU peer, kept alive: sessions, the poll loop, per-request streams.
 
-``PeerLink`` owns the transport and the sans-I/O ``DpuChannel``. Its poll
-loop is the only code that touches the transport: it posts the queued
-request WRITEs, READs the GPU control block, READs the records it declares,
-hands each record to the stream of its request, and releases consumed
-response slots. Any transport or protocol failure ends every open stream
-with that error: nothing waits forever on a dead peer.
+``PeerLink`` supervises sessions (``engine/session.py``): connect, serve,
+and when the session fails (control connection closed, a completion error, a
+heartbeat that stopped, an RDMA operation that did not complete within
+``peer_timeout_s``, a protocol violation), end every open stream with that
+error, tear the session down and reconnect with exponential backoff. While
+it is down, ``submit`` answers 503 at once.
+
+The poll loop is the only code that touches a session's transport: it posts
+the queued request WRITEs, READs the GPU control block, READs the records it
+declares, hands each record to its request's stream, and releases consumed
+response slots.
 """
 
 from __future__ import annotations
@@ -16,193 +21,207 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from dpu_frontend import __version__
-from dpu_frontend.config import ServeConfig
-from dpu_frontend.control import messages
-from dpu_frontend.errors import LayoutMismatch, PeerError
-from dpu_frontend.ring import DpuChannel, ReadOp, ResponseRecord, SamplingParams
-from dpu_frontend.ring.layout import HEADER_SIZE, ChannelLayout, decode_header_size, decode_layout
-from dpu_frontend.transport.base import Transport
-from dpu_frontend.transport.shm import ShmTransport
-from dpu_frontend.transport.verbs.resources import QpInfo, RdmaResources
-from dpu_frontend.transport.verbs.transport import VerbsTransport
+from dpu_frontend.config import PeerAddress, ServeConfig
+from dpu_frontend.engine.session import PeerSession
+from dpu_frontend.engine.stream import RequestStream
+from dpu_frontend.errors import (
+    ClientTooSlow,
+    DpuFrontendError,
+    LayoutMismatch,
+    Overloaded,
+    PeerError,
+    StartupError,
+    Unavailable,
+)
+from dpu_frontend.ring import ResponseRecord, SamplingParams
 
 log = logging.getLogger("dpu_frontend.ring")
 
-
-class RequestStream:
-    """The response records of one request, in order, ending with a final one.
-
-    Iterating raises ``PeerError`` if the link fails before the final record.
-    """
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self._queue: asyncio.Queue[ResponseRecord | PeerError] = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: ResponseRecord | PeerError) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> ResponseRecord:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, PeerError):
-            self.finished = True
-            raise item
-        if item.final:
-            self.finished = True
-        return item
-
-
-def staging_bytes_for(layout: ChannelLayout) -> int:
-    """The largest batch the poll loop can issue on this channel."""
-    writes = layout.arena_size + layout.req_slots * (layout.req_slot_size + 16) + 64
-    return max(writes, layout.resp_slots * layout.resp_slot_size, HEADER_SIZE)
+MAX_COST = 1 << 20  # a request's max_tokens counts at most this much towards its peer's load
 
 
 class PeerLink:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, address: PeerAddress) -> None:
         self.config = config
-        self.channel: DpuChannel | None = None
-        self.transport: Transport | None = None
-        self.eos_token_ids: tuple[int, ...] = ()
-        self.channel_index = -1
+        self.address = address
+        self.session: PeerSession | None = None
         self.up = False
-        self._resources: RdmaResources | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self.error: DpuFrontendError | None = None
+        self.reconnects = 0
+        self.outstanding = 0  # tokens: prompt + max_tokens of every open request
+        self.idle = asyncio.Event()
+        self.idle.set()
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self.error: PeerError | None = None
-        self.down = asyncio.Event()  # set once the link has failed
+        self._task: asyncio.Task[None] | None = None
+        self._first: asyncio.Future[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, run the handshake, validate the layout record, start polling."""
+        """Start supervising; return once the first connection attempt is over.
+
+        Raises that attempt's error; the link keeps retrying in the background
+        unless the error is fatal (``StartupError``).
+        """
+        self._first = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._supervise(), name=f"peer-{self.address}")
+        await asyncio.shield(self._first)
+
+    async def _supervise(self) -> None:
         cfg = self.config
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(cfg.peer.host, cfg.peer.port), cfg.connect_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            raise PeerError(f"cannot reach GPU peer {cfg.peer}: {exc}") from exc
-        self._writer = writer
-        qp: dict[str, Any] | None = None
-        verbs: VerbsTransport | None = None
-        if cfg.transport == "verbs":
-            self._resources = RdmaResources(cfg.rdma.device, cfg.rdma.ip)
-            self._resources.open()
-            verbs = VerbsTransport(self._resources, staging_bytes=HEADER_SIZE)
-            qp = verbs.start().to_dict()
-        hello = messages.Hello(cfg.transport, cfg.channel, qp, client=f"dpu-frontend {__version__}")
-        await messages.send(writer, hello.to_dict())
-        welcome = messages.Welcome.from_dict(
-            await asyncio.wait_for(messages.receive(reader), cfg.connect_timeout_s))
-        if verbs is not None:
-            if welcome.qp is None:
-                raise PeerError("peer sent no QP description")
-            verbs.connect(QpInfo.from_dict(welcome.qp), int(welcome.region["addr"]),
-                          int(welcome.region["rkey"]), welcome.region_size)
-            self.transport = verbs
-        else:
-            shm = ShmTransport(str(welcome.region["path"]), welcome.region_size)
-            shm.start()
-            self.transport = shm
-        layout = await self._read_layout(welcome)
-        channel_layout = layout.channels[welcome.channel]
-        if verbs is not None:
-            verbs.reserve(staging_bytes_for(channel_layout))
-        self.channel = DpuChannel(channel_layout)
-        self.channel_index = welcome.channel
-        self.eos_token_ids = tuple(int(t) for t in welcome.model.get("eos_token_ids", ()))
-        self.up = True
-        self._tasks = [asyncio.create_task(self._poll_loop(), name="peer-poll"),
-                       asyncio.create_task(self._watch_control(reader), name="peer-control")]
-        log.info("connected to peer %s channel %d over %s (instance %x, protocol v%d.%d)",
-                 cfg.peer, welcome.channel, cfg.transport, layout.instance,
-                 layout.version_major, layout.version_minor)
+        delay = cfg.reconnect_initial_s
+        while True:
+            try:
+                session = await PeerSession.connect(cfg, self.address)
+            except DpuFrontendError as exc:
+                self.error = exc
+                first_attempt = self._first is not None and not self._first.done()
+                if first_attempt and self._first is not None:
+                    self._first.set_exception(exc)
+                if first_attempt and isinstance(exc, StartupError | LayoutMismatch):
+                    return  # a configuration that cannot work: the daemon exits
+                log.warning("GPU peer %s unavailable: %s; retrying in %.1f s",
+                            self.address, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cfg.reconnect_max_s)
+                continue
+            delay = cfg.reconnect_initial_s
+            self.session, self.up, self.error = session, True, None
+            if self._first is not None and not self._first.done():
+                self._first.set_result(None)
+            else:
+                self.reconnects += 1
+                log.info("GPU peer %s reconnected (reconnect %d)", self.address, self.reconnects)
+            try:
+                await self._serve(session)
+            except PeerError as exc:
+                self._fail(exc)
+            finally:
+                self.up = False
+                self.session = None
+                await session.close()
+            await asyncio.sleep(delay)
 
-    async def _read_layout(self, welcome: messages.Welcome) -> Any:
-        transport = self.transport
-        if transport is None:
-            raise PeerError("no transport")
-        if welcome.region_size < HEADER_SIZE:
-            raise LayoutMismatch(f"peer region of {welcome.region_size} bytes is too small")
-        head = await transport.read(ReadOp(0, HEADER_SIZE))
-        size = decode_header_size(head)
-        if isinstance(transport, VerbsTransport):
-            transport.reserve(size)
-        layout = decode_layout(await transport.read(ReadOp(0, size)))
-        if layout.instance != welcome.instance or layout.region_size != welcome.region_size:
-            raise LayoutMismatch("layout record does not match the peer's welcome "
-                                 "(instance or region size): stale or foreign region")
-        if not 0 <= welcome.channel < len(layout.channels):
-            raise LayoutMismatch(f"peer granted channel {welcome.channel} of "
-                                 f"{len(layout.channels)}")
-        return layout
+    async def close(self) -> None:
+        self.abort(PeerError("the daemon is shutting down"))
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._first is not None and not self._first.done():
+            self._first.cancel()
 
-    # -- requests -----------------------------------------------------------
+    # -- requests ---------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
-        if not self.up or self.channel is None:
-            raise self.error or PeerError("GPU peer is not connected")
+        session = self.session
+        if not self.up or session is None or session.channel is None:
+            raise Unavailable(f"GPU peer {self.address} is down: {self.error}")
+        channel, cfg = session.channel, self.config
+        if channel.queued >= cfg.max_queued_requests:
+            raise Overloaded(f"{channel.queued} requests already wait for GPU peer {self.address}")
+        if channel.queued_tokens + len(prompt) > cfg.max_queued_prompt_tokens:
+            raise Overloaded(f"{channel.queued_tokens} prompt tokens already wait for GPU peer "
+                             f"{self.address}")
         request_id = next(self._ids)
-        self.channel.submit(request_id, prompt, params)
-        stream = RequestStream(request_id)
+        channel.submit(request_id, prompt, params)
+        stream = RequestStream(request_id, len(prompt) + min(params.max_tokens, MAX_COST),
+                               cfg.stream_buffer_records, self.cancel)
         self._streams[request_id] = stream
+        self.outstanding += stream.cost
+        self.idle.clear()
         self._wake.set()
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
-        """The client went away: stop generation on the GPU side."""
-        if stream.finished or not self.up or self.channel is None:
+        """The client went away: stop generation on the GPU side (a cancel record)."""
+        if stream.request_id not in self._streams:
             return
-        if not self.channel.cancel(stream.request_id):
-            # It never reached the ring: nothing will answer it.
-            self._streams.pop(stream.request_id, None)
-        stream.finished = True
+        stream.abandon()
+        self._cancel_on_gpu(stream)
+
+    def _cancel_on_gpu(self, stream: RequestStream) -> None:
+        session = self.session
+        if not self.up or session is None or session.channel is None:
+            return
+        if not session.channel.cancel(stream.request_id):
+            self._end(stream)  # it never left the queue: nothing will answer it
         self._wake.set()
+
+    def _end(self, stream: RequestStream) -> None:
+        if self._streams.pop(stream.request_id, None) is not None:
+            self.outstanding -= stream.cost
+        if not self._streams:
+            self.idle.set()
+
+    def abort(self, error: DpuFrontendError) -> None:
+        """End every open stream with ``error`` and cancel its generation."""
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+            self._cancel_on_gpu(stream)
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
-    # -- the poll loop ---------------------------------------------------------
+    # -- one session ---------------------------------------------------------------
 
-    async def _poll_loop(self) -> None:
+    async def _serve(self, session: PeerSession) -> None:
+        """Poll until the session fails; the control connection closing fails it too."""
+        poll = asyncio.create_task(self._poll(session))
+        watch = asyncio.create_task(self._watch_control(session))
         try:
-            await self._poll_forever()
-        except asyncio.CancelledError:
+            done, _ = await asyncio.wait({poll, watch}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises the failure
+        finally:
+            for task in (poll, watch):
+                task.cancel()
+            await asyncio.gather(poll, watch, return_exceptions=True)
+
+    async def _watch_control(self, session: PeerSession) -> None:
+        if session.reader is not None:
+            with contextlib.suppress(ConnectionError):
+                await session.reader.read()
+        raise PeerError(f"GPU peer {self.address} closed its control connection")
+
+    async def _poll(self, session: PeerSession) -> None:
+        try:
+            await self._poll_forever(session)
+        except TimeoutError as exc:
+            raise PeerError(f"GPU peer {self.address}: an RDMA operation did not complete "
+                            f"within {self.config.peer_timeout_s} s") from exc
+        except (asyncio.CancelledError, PeerError):
             raise
-        except PeerError as exc:
-            self._fail(exc)
         except Exception as exc:  # a bug must still end the streams, never hang them
             log.exception("poll loop crashed")
-            self._fail(PeerError(f"internal error in the ring poll loop: {exc}"))
+            raise PeerError(f"internal error in the ring poll loop: {exc}") from exc
 
-    async def _poll_forever(self) -> None:
+    async def _poll_forever(self, session: PeerSession) -> None:
         cfg = self.config
-        channel, transport = self.channel, self.transport
+        channel, transport = session.channel, session.transport
         if channel is None or transport is None:
-            raise PeerError("link not started")
+            raise PeerError("session not connected")
         while True:
-            writes = channel.take_writes()
-            if writes:
-                await transport.write(writes)
-            ctrl = await transport.read(channel.ctrl_read())
-            reads = channel.on_ctrl(ctrl, time.monotonic())
-            for op in reads:
-                for record in channel.on_records(op, await transport.read(op)):
-                    self._dispatch(record)
-            release = channel.consumer_update(idle=not reads)
-            if release is not None:
-                await transport.write([release])
+            async with asyncio.timeout(cfg.peer_timeout_s):
+                writes = channel.take_writes()
+                if writes:
+                    await transport.write(writes)
+                ctrl = await transport.read(channel.ctrl_read())
+                now = time.monotonic()
+                reads = channel.on_ctrl(ctrl, now)
+                for op in reads:
+                    for record in channel.on_records(op, await transport.read(op)):
+                        self._dispatch(record)
+                release = channel.consumer_update(idle=not reads)
+                if release is not None:
+                    await transport.write([release])
+            if now - channel.heartbeat_at > cfg.peer_timeout_s:
+                raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
+                                f"{now - channel.heartbeat_at:.1f} s")
             if reads:
                 continue  # more may be waiting: poll again at once
             if self._streams or channel.queued:
@@ -215,48 +234,26 @@ class PeerLink:
     def _dispatch(self, record: ResponseRecord) -> None:
         stream = self._streams.get(record.request_id)
         if stream is None:
-            log.warning("record for unknown request %d dropped", record.request_id)
+            log.warning("peer %s: record for unknown request %d dropped", self.address,
+                        record.request_id)
             return
         if record.final:
-            del self._streams[record.request_id]
-        if not stream.finished:
-            stream._put(record)
-
-    async def _watch_control(self, reader: asyncio.StreamReader) -> None:
-        """The control connection closes when the peer process dies."""
-        with contextlib.suppress(ConnectionError):
-            await reader.read()
-        self._fail(PeerError(f"GPU peer {self.config.peer} closed its control connection"))
+            self._end(stream)
+        if stream.put(record):
+            return
+        # The client is a whole buffer behind: cut it off rather than buffer more.
+        stream.fail(ClientTooSlow(f"the client read too slowly ({stream.limit} records "
+                                  "buffered); the request was cancelled",
+                                  code="stream_buffer_overflow"))
+        if not record.final:
+            self._cancel_on_gpu(stream)
 
     def _fail(self, exc: PeerError) -> None:
-        if self.error is None:
-            log.error("peer %s failed: %s", self.config.peer, exc)
-            self.error = exc
+        log.error("GPU peer %s failed: %s", self.address, exc)
+        self.error = exc
         self.up = False
-        self.down.set()
         streams, self._streams = self._streams, {}
+        self.outstanding = 0
+        self.idle.set()
         for stream in streams.values():
-            stream._put(exc)
-        current = asyncio.current_task()
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
-
-    async def close(self) -> None:
-        self.up = False
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream._put(PeerError("the daemon is shutting down"))
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(ConnectionError):
-                await self._writer.wait_closed()
-        if self.transport is not None:
-            self.transport.close()
-        if self._resources is not None:
-            self._resources.close()
+            stream.fail(exc)

@@ -1,21 +1,25 @@
 """Text in, text out: tokenize, submit to the GPU peer, detokenize as records arrive.
 
 The HTTP layer speaks requests and SSE; this module speaks token ids and text
-deltas. Tokenization runs on one dedicated thread: off the event loop, and a
-single thread because a ``tokenizers.Tokenizer`` must not be used from two
-threads at once ("Already borrowed").
+deltas. Tokenization runs on a few threads, off the event loop (a 256K-token
+prompt takes a while); each thread has its own copy of the tokenizer, since
+one ``tokenizers.Tokenizer`` must not be used from two threads at once
+("Already borrowed"), and ``encode_batch`` releases the GIL while it works.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+
 from dpu_frontend.config import ServeConfig
-from dpu_frontend.engine.link import PeerLink
+from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.errors import PeerError, PromptTooLong
 from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
@@ -47,19 +51,29 @@ class TextOptions:
 
 
 class Service:
-    def __init__(self, config: ServeConfig, vocab: Vocabulary, link: PeerLink,
+    def __init__(self, config: ServeConfig, vocab: Vocabulary, pool: PeerPool,
                  chat_template: ChatTemplate | None) -> None:
         self.config = config
         self.vocab = vocab
-        self.link = link
+        self.pool = pool
         self.chat_template = chat_template
         self.max_model_len = config.max_model_len or vocab.model_max_length
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads,
+                                            thread_name_prefix="tokenize")
+        self._local = threading.local()
+        self._serialized = vocab.tokenizer.to_str()
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """In a tokenizer thread: that thread's own tokenizer."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = Tokenizer.from_str(self._serialized)
+        batch = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: self.vocab.encode(text, add_special_tokens=add_special_tokens))
+        return await loop.run_in_executor(self._executor, self._encode, text, add_special_tokens)
 
     def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_model_len:
@@ -75,7 +89,7 @@ class Service:
                        options: TextOptions = TextOptions()) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; their concatenation equals the full decode of
         the generated ids after the prompt, cut at the first stop string."""
-        stream = self.link.submit(prompt, params)
+        stream = self.pool.submit(prompt, params)
         detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
                                        skip_special_tokens=options.skip_special_tokens)
         stops = StopMatcher(options.stop, include=options.include_stop)
@@ -91,7 +105,7 @@ class Service:
                     text += stops.flush()
                 if stops.matched is not None:
                     # Stop generating on the GPU side at once; the rest is not wanted.
-                    self.link.cancel(stream)
+                    stream.cancel()
                     yield Delta(text, "stop", count)
                     return
                 if record.final:
@@ -99,8 +113,7 @@ class Service:
                 elif text:
                     yield Delta(text, None, count)
         finally:
-            if not stream.finished:
-                self.link.cancel(stream)
+            stream.cancel()  # a no-op once the final record was read
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

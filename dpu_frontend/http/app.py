@@ -25,11 +25,18 @@ def create_app(service: Service, model_name: str) -> web.Application:
     tokenize = TokenizeHandlers(service, model_name)
 
     async def health(request: web.Request) -> web.Response:
-        link = service.link
-        if link.up:
-            return web.json_response({"status": "ok", "in_flight": link.in_flight})
-        reason = str(link.error) if link.error else "GPU peer not connected"
-        return web.json_response(error_body(reason, "service_unavailable", None, 503), status=503)
+        pool = service.pool
+        peers = [{"address": str(link.address), "up": link.up, "in_flight": link.in_flight,
+                  "outstanding_tokens": link.outstanding, "reconnects": link.reconnects,
+                  "error": None if link.up or link.error is None else str(link.error)}
+                 for link in pool.links]
+        if pool.draining:
+            body = error_body("draining: no new requests", "service_unavailable", None, 503)
+            return web.json_response(body | {"peers": peers}, status=503)
+        if not pool.up:
+            body = error_body("no GPU peer is up", "service_unavailable", None, 503)
+            return web.json_response(body | {"peers": peers}, status=503)
+        return web.json_response({"status": "ok", "in_flight": pool.in_flight, "peers": peers})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{

@@ -29,8 +29,14 @@ def body_for(exc: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, RequestError):
         return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
     if isinstance(exc, PeerError):
-        return 503, error_body(str(exc), "service_unavailable", None, 503)
+        return exc.status, error_body(str(exc), exc.type, None, exc.status)
     return 500, error_body("internal server error", "internal_error", None, 500)
+
+
+def headers_for(exc: Exception) -> dict[str, str]:
+    """``Retry-After`` for the statuses a client should retry (429, 503)."""
+    retry = getattr(exc, "retry_after", None)
+    return {"Retry-After": str(retry)} if retry is not None else {}
 
 
 @web.middleware
@@ -46,7 +52,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (RequestError, PeerError) as exc:
         status, body = body_for(exc)
         log.info("%s %s -> %d: %s", request.method, request.path, status, exc)
-        return web.json_response(body, status=status)
+        return web.json_response(body, status=status, headers=headers_for(exc))
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
         status, body = body_for(exc)

@@ -78,6 +78,7 @@ class DpuChannel:
         self.layout = layout
         self._window = max_records_per_read or layout.resp_slots
         self._pending: deque[_Pending] = deque()
+        self._pending_tokens = 0  # prompt tokens in _pending
         self._next_seq = 1  # the next request record's sequence number
         self._req_consumed = 0  # request records the GPU has taken (from its ctrl block)
         self._arena_head = 0  # monotonic byte counters; offset = counter % arena_size
@@ -101,12 +102,14 @@ class DpuChannel:
                 code="context_length_exceeded",
             )
         self._pending.append(_Pending(GenerateRecord(request_id, 0, len(prompt), params), data))
+        self._pending_tokens += len(prompt)
 
     def cancel(self, request_id: int) -> bool:
         """Stop ``request_id``. False if it never left this object (nothing will answer it)."""
         for item in self._pending:
             if isinstance(item.record, GenerateRecord) and item.record.request_id == request_id:
                 self._pending.remove(item)
+                self._pending_tokens -= item.record.prompt_len
                 return False
         self._pending.append(_Pending(CancelRecord(request_id), b""))
         return True
@@ -115,6 +118,11 @@ class DpuChannel:
     def queued(self) -> int:
         """Records waiting for a request slot or arena space."""
         return len(self._pending)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the records waiting."""
+        return self._pending_tokens
 
     def take_writes(self) -> list[WriteOp]:
         """The WRITEs for every queued record that fits now, in the order to post them.
@@ -141,6 +149,7 @@ class DpuChannel:
             ops.append(WriteOp(slot, COMMIT.pack(self._next_seq)))
             self._next_seq += 1
             self._pending.popleft()
+            self._pending_tokens -= len(item.prompt) // 4
         return ops
 
     def _place_prompt(self, nbytes: int) -> int | None:

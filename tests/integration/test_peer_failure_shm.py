@@ -7,5 +7,5 @@ from tests.stack import running_stack
 
 
 async def test_peer_killed_mid_stream() -> None:
-    with running_stack("shm", tokens_per_s=20, timeout=60, daemon_exit=1) as stack:
+    with running_stack("shm", tokens_per_s=20, timeout=60) as stack:
         await check_peer_killed_mid_stream(stack)

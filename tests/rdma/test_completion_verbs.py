@@ -31,5 +31,5 @@ async def test_chat_stream_with_the_async_sdk(verbs_stack: Stack) -> None:
 
 
 async def test_peer_killed_mid_stream() -> None:
-    with running_stack("verbs", tokens_per_s=5, daemon_exit=1) as stack:
+    with running_stack("verbs", tokens_per_s=5) as stack:
         await check_peer_killed_mid_stream(stack)

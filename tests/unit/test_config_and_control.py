@@ -29,7 +29,7 @@ def test_peer_address_parse() -> None:
 ])
 def test_serve_config_names_the_bad_field(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ServeConfig(peer=PeerAddress("127.0.0.1", 1), **kwargs)  # type: ignore[arg-type]
+        ServeConfig(peers=(PeerAddress("127.0.0.1", 1),), **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -1,0 +1,85 @@
+"""Several GPU peers behind one daemon: one link each, requests to the least loaded.
+
+Load is a link's outstanding tokens (prompt + max_tokens of its open
+requests). Peers that are down are skipped; when none is up, or the daemon
+is draining, requests get 503 at once. A full queue on one peer sends the
+request to the next; all full is a 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from dpu_frontend.config import ServeConfig
+from dpu_frontend.engine.link import PeerLink
+from dpu_frontend.engine.stream import RequestStream
+from dpu_frontend.errors import (
+    DpuFrontendError,
+    LayoutMismatch,
+    Overloaded,
+    StartupError,
+    Unavailable,
+)
+from dpu_frontend.ring import SamplingParams
+
+log = logging.getLogger("dpu_frontend.engine")
+
+
+class PeerPool:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.links = [PeerLink(config, address) for address in config.peers]
+        self.draining = False
+
+    async def start(self) -> None:
+        """Connect to every peer. A fatal answer from any, or none reachable, is an error."""
+        results = await asyncio.gather(*(link.start() for link in self.links),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            if isinstance(error, StartupError | LayoutMismatch):
+                raise error
+        if not self.up:
+            raise errors[0]
+        for link, result in zip(self.links, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("serving without GPU peer %s for now: %s", link.address, result)
+
+    @property
+    def up(self) -> bool:
+        return any(link.up for link in self.links)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(link.in_flight for link in self.links)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+        if self.draining:
+            raise Unavailable("the daemon is draining: it takes no new requests")
+        candidates = sorted((link for link in self.links if link.up),
+                            key=lambda link: link.outstanding)
+        if not candidates:
+            reasons = "; ".join(f"{link.address}: {link.error}" for link in self.links)
+            raise Unavailable(f"no GPU peer is up ({reasons})")
+        overloaded: list[Overloaded] = []
+        for link in candidates:
+            try:
+                return link.submit(prompt, params)
+            except Overloaded as exc:
+                overloaded.append(exc)
+        raise overloaded[-1]
+
+    async def wait_idle(self) -> None:
+        """Until no request is open on any peer (the daemon takes no new ones by then)."""
+        while self.in_flight:
+            for link in self.links:
+                await link.idle.wait()
+
+    def abort(self, error: DpuFrontendError) -> None:
+        for link in self.links:
+            link.abort(error)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links))

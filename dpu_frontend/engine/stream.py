@@ -1,0 +1,75 @@
+"""The response records of one request, as its handler consumes them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from dpu_frontend.errors import DpuFrontendError
+from dpu_frontend.ring import ResponseRecord
+
+
+class RequestStream:
+    """Records of one request, in order, ending with a final one (or an error).
+
+    The buffer holds at most ``limit`` records: a client that reads slower
+    than the GPU writes is cut off (``overflowed``) instead of buffered
+    without bound. Iterating raises the error the link ended it with.
+    """
+
+    def __init__(self, request_id: int, cost: int, limit: int,
+                 on_cancel: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self.cost = cost  # outstanding tokens charged to its link until it ends
+        self.limit = limit
+        self._on_cancel = on_cancel
+        self.finished = False  # nothing more will be put
+        self._records: deque[ResponseRecord] = deque()
+        self._error: DpuFrontendError | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, record: ResponseRecord) -> bool:
+        """Buffer a record; False when the buffer is full (the caller cuts the stream)."""
+        if self.finished:
+            return True
+        if len(self._records) >= self.limit:
+            return False
+        self._records.append(record)
+        self.finished = record.final
+        self._ready.set()
+        return True
+
+    def cancel(self) -> None:
+        """The reader is leaving: stop the generation on the GPU side."""
+        if not self.drained:
+            self._on_cancel(self)
+
+    def abandon(self) -> None:
+        """Nothing will read further: drop what is buffered and what still comes."""
+        self.finished = True
+        self._records.clear()
+
+    def fail(self, error: DpuFrontendError) -> None:
+        if not self.finished:
+            self.finished = True
+            self._error = error
+            self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> ResponseRecord:
+        while not self._records:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        return self._records.popleft()
+
+    @property
+    def drained(self) -> bool:
+        """Finished and fully read."""
+        return self.finished and not self._records
