@@ -7,6 +7,8 @@ config object, validated once; a bad value exits 2 with its message.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ import uvloop
 
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
+from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.daemon import serve
 from dpu_frontend.errors import DpuFrontendError
 from dpu_frontend.peer.server import run_peer
@@ -96,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="per-sequence generation rate (0: as fast as the ring takes)")
     peer.add_argument("--tick", type=float, default=0.001, help="engine step period, seconds")
 
+    stats = sub.add_parser("peer-stats", help="print a GPU peer's per-channel counters (JSON)")
+    stats.add_argument("--peer", default=f"127.0.0.1:{DEFAULT_PEER_PORT}", help="HOST:PORT")
+
     demo = sub.add_parser("demo", help="start a peer and a daemon, stream one completion, stop")
     demo.add_argument("--transport", choices=("verbs", "shm"), default="verbs")
     demo.add_argument("--rdma-ip", default=None)
@@ -158,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "softroce":
             return run_cli(args.mode, args.argv, timeout=args.timeout, memory=args.memory,
                            rwdirs=args.rwdir)
+        if args.command == "peer-stats":
+            channels = asyncio.run(peer_stats(PeerAddress.parse(args.peer)))
+            print(json.dumps(channels, indent=2))
+            return 0
         if args.command == "demo":
             return run_demo(transport=args.transport, rdma_ip=args.rdma_ip, prompt=args.prompt,
                             max_tokens=args.max_tokens, port=args.port)

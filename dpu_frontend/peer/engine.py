@@ -71,6 +71,10 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def active_ids(self) -> list[int]:
+        return list(self._active)
+
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
         source = self._source(prompt, record.params.seed)
         self._active[record.request_id] = _Sequence(record, source, now)

@@ -41,6 +41,7 @@ class _Channel:
     ring: GpuChannel
     engine: Engine
     attached: bool = False
+    attachments: int = 0
     qp: Any = None
     outbox: list[ResponseRecord] = field(default_factory=list)
 
@@ -96,7 +97,11 @@ class PeerServer:
             self._sessions.add(task)
         channel: _Channel | None = None
         try:
-            hello = messages.Hello.from_dict(await messages.receive(reader))
+            first = await messages.receive(reader)
+            if first.get("op") == "stats":
+                await messages.send(writer, {"op": "stats", "channels": self.stats()})
+                return
+            hello = messages.Hello.from_dict(first)
             channel = self._grant(hello)
             welcome = self._attach(channel, hello)
             await messages.send(writer, welcome.to_dict())
@@ -153,6 +158,7 @@ class PeerServer:
             qp_info = local.to_dict()
             region = {"addr": self._address, "rkey": self._mr.rkey}
         channel.attached = True
+        channel.attachments += 1
         vocab = self.vocab
         return messages.Welcome(
             channel=channel.index, instance=layout.instance, region_size=layout.region_size,
@@ -207,9 +213,13 @@ class PeerServer:
         ring.beat()
 
     def stats(self) -> list[dict[str, Any]]:
-        return [{"channel": c.index, "attached": c.attached, "active": c.engine.active,
-                 "admitted": c.engine.stats.admitted, "completed": c.engine.stats.completed,
-                 "cancelled": c.engine.stats.cancelled, "tokens": c.engine.stats.tokens}
+        """Per-channel counters (the ``stats`` control message; tests and operators)."""
+        return [{"channel": c.index, "attached": c.attached, "attachments": c.attachments,
+                 "active": c.engine.active_ids, "admitted": c.engine.stats.admitted,
+                 "completed": c.engine.stats.completed, "cancelled": c.engine.stats.cancelled,
+                 "cancelled_ids": c.engine.stats.cancelled_ids[-64:],
+                 "tokens": c.engine.stats.tokens, "request_records": c.ring.consumed,
+                 "request_slots": c.ring.layout.req_slots}
                 for c in self._channels]
 
     async def close(self) -> None:

@@ -1,0 +1,31 @@
+"""Ask a GPU peer for its counters over the control plane (``dpu-frontend peer-stats``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from dpu_frontend.config import PeerAddress
+from dpu_frontend.control import messages
+from dpu_frontend.errors import PeerError
+
+TIMEOUT_S = 10.0
+
+
+async def peer_stats(address: PeerAddress) -> list[dict[str, Any]]:
+    """Each channel's counters: attached, active request ids, admitted, completed, cancelled..."""
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+            try:
+                await messages.send(writer, {"op": "stats"})
+                answer = await messages.receive(reader)
+            finally:
+                writer.close()
+                await writer.wait_closed()
+    except (OSError, TimeoutError) as exc:
+        raise PeerError(f"cannot get stats from GPU peer {address}: {exc}") from exc
+    channels = answer.get("channels")
+    if answer.get("op") != "stats" or not isinstance(channels, list):
+        raise PeerError(f"GPU peer {address} answered {answer.get('op')!r} to stats")
+    return channels
