@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dpu_frontend.config import PeerAddress
 from dpu_frontend.softroce.harness import RXE_IP
 from dpu_frontend.softroce.processes import CLI, DAEMON_READY, PEER_READY
 from dpu_frontend.softroce.processes import start as start_process
@@ -17,22 +19,51 @@ from dpu_frontend.softroce.processes import stop as stop_process
 MODEL = "qwen3"
 
 
-@dataclass(frozen=True)
+@dataclass
+class PeerProcess:
+    argv: list[str]
+    address: str
+    proc: subprocess.Popen[str]
+    timeout: float
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """Start it again on the same address (after ``kill``)."""
+        stop_process(self.proc)
+        port = self.address.rsplit(":", 1)[1]
+        argv = [a if a != "0" or self.argv[i - 1] != "--port" else port
+                for i, a in enumerate(self.argv)]
+        self.proc, self.address = start_process(argv, PEER_READY, self.timeout)
+
+
+@dataclass
 class Stack:
     transport: str
     base_url: str
-    peer_port: int
-    peer: subprocess.Popen[str]
+    peers: list[PeerProcess]
     daemon: subprocess.Popen[str]
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def peer(self) -> subprocess.Popen[str]:
+        return self.peers[0].proc
+
+    def peer_address(self, i: int = 0) -> PeerAddress:
+        return PeerAddress.parse(self.peers[i].address)
 
 
 @contextmanager
 def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float = 0,
                   timeout: float = 600, peer_args: tuple[str, ...] = (),
-                  serve_args: tuple[str, ...] = (), daemon_exit: int = 0) -> Iterator[Stack]:
-    """A reference peer and a daemon connected over ``transport``; both stopped at exit.
+                  serve_args: tuple[str, ...] = (), peers: int = 1,
+                  daemon_exit: int = 0) -> Iterator[Stack]:
+    """Reference peers and a daemon connected over ``transport``; all stopped at exit.
 
-    The daemon must exit with ``daemon_exit`` (1 after it lost its peer).
+    The daemon must exit with ``daemon_exit``.
     """
     if transport == "verbs":
         net = ["--rdma-ip", RXE_IP]
@@ -40,19 +71,23 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
     else:
         net = []
         host = "127.0.0.1"
-    shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-    peer, address = start_process(
-        [*CLI, "peer", "--transport", transport, *net, "--host", host, "--port", "0", "--mode", mode,
-         "--tokens-per-s", str(tokens_per_s), *(shm if transport == "shm" else []), *peer_args],
-        PEER_READY, timeout)
+    started: list[PeerProcess] = []
     try:
-        port = int(address.rsplit(":", 1)[1])
+        for _ in range(peers):
+            shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+            argv = [*CLI, "peer", "--transport", transport, *net, "--host", host, "--port", "0",
+                    "--mode", mode, "--tokens-per-s", str(tokens_per_s),
+                    *(shm if transport == "shm" else []), *peer_args]
+            proc, address = start_process(argv, PEER_READY, timeout)
+            started.append(PeerProcess(argv, address, proc, timeout))
+        addresses = [a for p in started for a in ("--peer", p.address)]
         daemon, url = start_process(
-            [*CLI, "serve", "--transport", transport, *net, "--peer", f"{host}:{port}",
+            [*CLI, "serve", "--transport", transport, *net, *addresses,
              "--port", "0", "--model-name", MODEL, *serve_args], DAEMON_READY, timeout)
         try:
-            yield Stack(transport, url, port, peer, daemon)
+            yield Stack(transport, url, started, daemon)
         finally:
             assert stop_process(daemon) == daemon_exit, "daemon exit status"
     finally:
-        stop_process(peer)
+        for peer in started:
+            stop_process(peer.proc)

@@ -1,9 +1,11 @@
 """Several sequences of one request (prompts x n), merged into one stream of choice deltas.
 
 Choice ``i * n + j`` is the ``j``-th sequence of prompt ``i`` (OpenAI's order).
-Each runs as its own task; the merged stream ends when every choice has
-finished, and leaving it early (a client that went away) cancels them all,
-which cancels their generation on the GPU side.
+All are submitted at once (``start_choices``), so that an admission error is
+the request's status, not an event after a 200. Each then runs as its own
+task; the merged stream ends when every choice has finished, and leaving it
+early (a client that went away) cancels them all, which cancels their
+generation on the GPU side.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from dpu_frontend.engine.service import Service, TextOptions
+from dpu_frontend.engine.service import Generation, Service, TextOptions
 from dpu_frontend.ring import SamplingParams
 
 
@@ -26,21 +28,37 @@ class ChoiceDelta:
     completion_tokens: int  # of this choice so far
 
 
-async def generate_choices(service: Service, prompts: list[list[int]], params: SamplingParams,
-                           n: int, options: TextOptions) -> AsyncGenerator[ChoiceDelta, None]:
-    jobs = [(i * n + j, prompt, _nth(params, j)) for i, prompt in enumerate(prompts)
-            for j in range(n)]
-    if len(jobs) == 1:  # the common case: no task, no queue
-        async with contextlib.aclosing(service.generate(prompts[0], params, options)) as deltas:
-            async for d in deltas:
-                yield ChoiceDelta(0, d.text, d.finish_reason, d.completion_tokens)
-        return
+def start_choices(service: Service, prompts: list[list[int]], params: SamplingParams, n: int,
+                  options: TextOptions) -> AsyncGenerator[ChoiceDelta, None]:
+    """Submit every choice now (raising admission errors), then stream their deltas."""
+    generations: list[Generation] = []
+    try:
+        for prompt in prompts:
+            for j in range(n):
+                generations.append(service.submit(prompt, _nth(params, j), options))
+    except BaseException:
+        for generation in generations:
+            generation.cancel()
+        raise
+    if len(generations) == 1:
+        return _single(generations[0])
+    return _merged(generations)
+
+
+async def _single(generation: Generation) -> AsyncGenerator[ChoiceDelta, None]:
+    """The common case: no task, no queue."""
+    async with contextlib.aclosing(generation.deltas()) as deltas:
+        async for d in deltas:
+            yield ChoiceDelta(0, d.text, d.finish_reason, d.completion_tokens)
+
+
+async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
 
-    async def run(index: int, prompt: list[int], choice_params: SamplingParams) -> None:
+    async def run(index: int, generation: Generation) -> None:
         try:
-            async with contextlib.aclosing(service.generate(prompt, choice_params, options)) as g:
-                async for d in g:
+            async with contextlib.aclosing(generation.deltas()) as deltas:
+                async for d in deltas:
                     queue.put_nowait(ChoiceDelta(index, d.text, d.finish_reason,
                                                  d.completion_tokens))
         except asyncio.CancelledError:
@@ -48,7 +66,7 @@ async def generate_choices(service: Service, prompts: list[list[int]], params: S
         except Exception as exc:
             queue.put_nowait(exc)
 
-    tasks = [asyncio.create_task(run(*job)) for job in jobs]
+    tasks = [asyncio.create_task(run(i, g)) for i, g in enumerate(generations)]
     try:
         pending = len(tasks)
         while pending:
@@ -62,6 +80,8 @@ async def generate_choices(service: Service, prompts: list[list[int]], params: S
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for generation in generations:
+            generation.cancel()
 
 
 def _nth(params: SamplingParams, j: int) -> SamplingParams:

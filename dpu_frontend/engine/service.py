@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
+from dpu_frontend.engine.stream import RequestStream
 from dpu_frontend.errors import PeerError, PromptTooLong
 from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
@@ -85,14 +86,33 @@ class Service:
                 code="context_length_exceeded",
             )
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       options: TextOptions = TextOptions()) -> AsyncGenerator[Delta, None]:
+    def submit(self, prompt: list[int], params: SamplingParams,
+               options: TextOptions = TextOptions()) -> Generation:
+        """Queue the request for a GPU peer now: admission errors (429, 503) raise here,
+        before any response byte is written."""
+        return Generation(self.vocab, self.pool.submit(prompt, params), prompt, options)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Generation:
+    """One submitted sequence, turned into text deltas as its records arrive."""
+
+    def __init__(self, vocab: Vocabulary, stream: RequestStream, prompt: list[int],
+                 options: TextOptions) -> None:
+        self.stream = stream
+        self._detok = IncrementalDetokenizer(vocab, context=vocab.context(prompt),
+                                             skip_special_tokens=options.skip_special_tokens)
+        self._stops = StopMatcher(options.stop, include=options.include_stop)
+
+    def cancel(self) -> None:
+        self.stream.cancel()  # a no-op once the final record was read
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; their concatenation equals the full decode of
         the generated ids after the prompt, cut at the first stop string."""
-        stream = self.pool.submit(prompt, params)
-        detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
-                                       skip_special_tokens=options.skip_special_tokens)
-        stops = StopMatcher(options.stop, include=options.include_stop)
+        stream, detok, stops = self.stream, self._detok, self._stops
         count = 0
         try:
             async for record in stream:
@@ -113,7 +133,4 @@ class Service:
                 elif text:
                     yield Delta(text, None, count)
         finally:
-            stream.cancel()  # a no-op once the final record was read
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            self.cancel()

@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from dpu_frontend.engine.choices import ChoiceDelta, generate_choices
+from dpu_frontend.engine.choices import ChoiceDelta, start_choices
 from dpu_frontend.engine.service import Service, TextOptions
 from dpu_frontend.errors import ModelNotFound, PeerError, RequestError
 from dpu_frontend.http.errors import body_for
@@ -107,8 +107,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                   prompts, req.n, each_chunk)
         options = TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output,
                               req.skip_special_tokens)
-        choices = generate_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
-                                   options)
+        choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
+                                options)
         # aclosing: however this handler ends (a client that went away cancels it),
         # the generations' cleanup runs now and the cancel records go out.
         async with contextlib.aclosing(choices) as deltas:
