@@ -225,8 +225,10 @@ class PeerServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._sessions):
+        sessions = list(self._sessions)
+        for task in sessions:
             task.cancel()
+        await asyncio.gather(*sessions, return_exceptions=True)  # detach before teardown
         if self._engine_task is not None:
             self._engine_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -170,13 +170,14 @@ class RdmaResources:
             qp.close()
 
     def close(self) -> None:
-        for qp in reversed(self._qps):
-            qp.close()
-        for mr in reversed(self._mrs):
-            mr.close()
+        """QPs, MRs, CQ, PD, context: each closed even if one before it fails."""
+        objects = [*reversed(self._qps), *reversed(self._mrs), self.cq, self.pd, self.ctx]
         self._qps, self._mrs = [], []
-        for name in ("cq", "pd", "ctx"):
-            obj = getattr(self, name)
-            if obj is not None:
+        self.cq = self.pd = self.ctx = None
+        for obj in objects:
+            if obj is None:
+                continue
+            try:
                 obj.close()
-                setattr(self, name, None)
+            except compat.module("errors").PyverbsError as exc:
+                log.error("closing %s failed: %s", type(obj).__name__, exc)
