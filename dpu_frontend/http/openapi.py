@@ -76,7 +76,7 @@ def build(model_name: str) -> dict[str, Any]:
             "/detokenize": post("Detokenize token ids", _ref(DetokenizeRequest),
                                 {"200": {"description": "prompt"}, **_errors(400, 404)}),
             "/v1/models": get("The served model"),
-            "/health": get("200 while the GPU peer is connected, 503 otherwise"),
+            "/health": get("200 while a GPU peer is up; 503 when none is, or while draining"),
             "/version": get("The daemon's version"),
             "/openapi.json": get("This document"),
         },
