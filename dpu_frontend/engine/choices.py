@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from dpu_frontend.engine.service import Generation, Service, TextOptions
 from dpu_frontend.ring import SamplingParams
 
+MERGE_QUEUE_PER_CHOICE = 8
+
 
 @dataclass(frozen=True, slots=True)
 class ChoiceDelta:
@@ -53,18 +55,22 @@ async def _single(generation: Generation) -> AsyncGenerator[ChoiceDelta, None]:
 
 
 async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, None]:
-    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+    # Bounded: a slow reader stalls the choice tasks, so records pile up in each
+    # request's own bounded stream buffer (which cuts a too-slow client off),
+    # never here.
+    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue(
+        maxsize=MERGE_QUEUE_PER_CHOICE * len(generations))
 
     async def run(index: int, generation: Generation) -> None:
         try:
             async with contextlib.aclosing(generation.deltas()) as deltas:
                 async for d in deltas:
-                    queue.put_nowait(ChoiceDelta(index, d.text, d.finish_reason,
-                                                 d.completion_tokens))
+                    await queue.put(ChoiceDelta(index, d.text, d.finish_reason,
+                                                d.completion_tokens))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
 
     tasks = [asyncio.create_task(run(i, g)) for i, g in enumerate(generations)]
     try:

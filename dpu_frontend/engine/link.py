@@ -206,6 +206,8 @@ class PeerLink:
         if channel is None or transport is None:
             raise PeerError("session not connected")
         while True:
+            records: list[ResponseRecord] = []
+            # The deadline covers the RDMA operations only, not our own dispatching.
             async with asyncio.timeout(cfg.peer_timeout_s):
                 writes = channel.take_writes()
                 if writes:
@@ -214,11 +216,12 @@ class PeerLink:
                 now = time.monotonic()
                 reads = channel.on_ctrl(ctrl, now)
                 for op in reads:
-                    for record in channel.on_records(op, await transport.read(op)):
-                        self._dispatch(record)
+                    records += channel.on_records(op, await transport.read(op))
                 release = channel.consumer_update(idle=not reads)
                 if release is not None:
                     await transport.write([release])
+            for record in records:
+                self._dispatch(record)
             if now - channel.heartbeat_at > cfg.peer_timeout_s:
                 raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
                                 f"{now - channel.heartbeat_at:.1f} s")
