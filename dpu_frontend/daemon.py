@@ -59,6 +59,7 @@ class Daemon:
         template = load_chat_template(vocab, cfg.chat_template)
         await self.pool.start()
         self.service = Service(cfg, vocab, self.pool, template)
+        await self.service.warm_up()
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
         self.runner = web.AppRunner(create_app(self.service, cfg.model_name),

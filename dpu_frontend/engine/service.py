@@ -72,6 +72,20 @@ class Service:
         batch = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(batch[0].ids)
 
+    async def warm_up(self) -> None:
+        """Give every tokenizer thread its tokenizer now: loading one takes a few hundred
+        milliseconds, which would otherwise land on the first requests."""
+        threads = self.config.tokenizer_threads
+        barrier = threading.Barrier(threads)
+
+        def load() -> None:
+            self._encode("warm up", True)
+            barrier.wait(timeout=60)  # hold this thread so that each one loads its own
+
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._executor, load)
+                               for _ in range(threads)))
+
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode, text, add_special_tokens)
