@@ -17,7 +17,7 @@ VENV=${DPU_FRONTEND_VENV:-$ROOT/.venv}
 BUILD=$ROOT/build
 
 APT_PACKAGES=(kmod udev iproute2 rdma-core ibverbs-providers ibverbs-utils rdmacm-utils
-              perftest python3-pyverbs python3-venv python3-dev)
+              perftest python3-pyverbs python3-venv python3-dev prometheus)
 case "$(dpkg --print-architecture 2>/dev/null || echo unknown)" in
   amd64) APT_PACKAGES+=(qemu-system-x86 linux-image-amd64 busybox-static) ;;
   arm64) APT_PACKAGES+=(qemu-system-arm linux-image-arm64 busybox-static) ;;

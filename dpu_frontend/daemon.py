@@ -25,6 +25,7 @@ from dpu_frontend.engine.service import Service
 from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import stop_on_signals
+from dpu_frontend.metrics import Metrics
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -46,7 +47,8 @@ def raise_open_files_limit() -> int:
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.pool = PeerPool(config)
+        self.metrics = Metrics()
+        self.pool = PeerPool(config, self.metrics)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
         self.site: web.TCPSite | None = None
@@ -58,11 +60,11 @@ class Daemon:
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
         template = load_chat_template(vocab, cfg.chat_template)
         await self.pool.start()
-        self.service = Service(cfg, vocab, self.pool, template)
+        self.service = Service(cfg, vocab, self.pool, template, self.metrics)
         await self.service.warm_up()
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
-        self.runner = web.AppRunner(create_app(self.service, cfg.model_name),
+        self.runner = web.AppRunner(create_app(self.service, cfg.model_name, self.metrics),
                                     handler_cancellation=True, access_log=None,
                                     shutdown_timeout=CLOSE_GRACE_S)
         await self.runner.setup()

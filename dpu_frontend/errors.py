@@ -81,6 +81,10 @@ class LayoutMismatch(ProtocolError):
 class TransportError(PeerError):
     """An RDMA operation (or its shm twin) failed."""
 
+    def __init__(self, message: str, *, opcode: str = "other") -> None:
+        super().__init__(message)
+        self.opcode = opcode  # "write", "read" or "other": the metrics label
+
 
 class StartupError(DpuFrontendError):
     """A fatal configuration or environment problem found at start-up."""

@@ -32,8 +32,10 @@ from dpu_frontend.errors import (
     Overloaded,
     PeerError,
     StartupError,
+    TransportError,
     Unavailable,
 )
+from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import ResponseRecord, SamplingParams
 
 log = logging.getLogger("dpu_frontend.ring")
@@ -42,9 +44,11 @@ MAX_COST = 1 << 20  # a request's max_tokens counts at most this much towards it
 
 
 class PeerLink:
-    def __init__(self, config: ServeConfig, address: PeerAddress) -> None:
+    def __init__(self, config: ServeConfig, address: PeerAddress, metrics: Metrics) -> None:
         self.config = config
         self.address = address
+        self.metrics = metrics
+        self._peer = str(address)  # the metrics label
         self.session: PeerSession | None = None
         self.up = False
         self.error: DpuFrontendError | None = None
@@ -94,6 +98,7 @@ class PeerLink:
                 self._first.set_result(None)
             else:
                 self.reconnects += 1
+                self.metrics.reconnects.labels(self._peer).inc()
                 log.info("GPU peer %s reconnected (reconnect %d)", self.address, self.reconnects)
             try:
                 await self._serve(session)
@@ -159,6 +164,8 @@ class PeerLink:
 
     def abort(self, error: DpuFrontendError) -> None:
         """End every open stream with ``error`` and cancel its generation."""
+        if self._streams:
+            self.metrics.aborted.labels("shutdown").inc(len(self._streams))
         for stream in list(self._streams.values()):
             stream.fail(error)
             self._cancel_on_gpu(stream)
@@ -191,6 +198,9 @@ class PeerLink:
     async def _poll(self, session: PeerSession) -> None:
         try:
             await self._poll_forever(session)
+        except TransportError as exc:
+            self.metrics.rdma_errors.labels(self._peer, exc.opcode).inc()
+            raise
         except TimeoutError as exc:
             raise PeerError(f"GPU peer {self.address}: an RDMA operation did not complete "
                             f"within {self.config.peer_timeout_s} s") from exc
@@ -220,6 +230,13 @@ class PeerLink:
                 release = channel.consumer_update(idle=not reads)
                 if release is not None:
                     await transport.write([release])
+            ops = self.metrics.rdma_operations
+            ops.labels(self._peer, "write").inc(len(writes) + (release is not None))
+            ops.labels(self._peer, "read").inc(1 + len(reads))
+            for request_id in channel.sent:
+                sent = self._streams.get(request_id)
+                if sent is not None:
+                    self.metrics.queue_time.observe(now - sent.submitted_at)
             for record in records:
                 self._dispatch(record)
             if now - channel.heartbeat_at > cfg.peer_timeout_s:
@@ -245,6 +262,7 @@ class PeerLink:
         if stream.put(record):
             return
         # The client is a whole buffer behind: cut it off rather than buffer more.
+        self.metrics.aborted.labels("client_too_slow").inc()
         stream.fail(ClientTooSlow(f"the client read too slowly ({stream.limit} records "
                                   "buffered); the request was cancelled",
                                   code="stream_buffer_overflow"))
@@ -258,5 +276,7 @@ class PeerLink:
         streams, self._streams = self._streams, {}
         self.outstanding = 0
         self.idle.set()
+        if streams:
+            self.metrics.aborted.labels("peer_failed").inc(len(streams))
         for stream in streams.values():
             stream.fail(exc)

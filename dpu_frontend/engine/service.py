@@ -22,6 +22,7 @@ from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.stream import RequestStream
 from dpu_frontend.errors import PeerError, PromptTooLong
+from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
@@ -53,8 +54,9 @@ class TextOptions:
 
 class Service:
     def __init__(self, config: ServeConfig, vocab: Vocabulary, pool: PeerPool,
-                 chat_template: ChatTemplate | None) -> None:
+                 chat_template: ChatTemplate | None, metrics: Metrics) -> None:
         self.config = config
+        self.metrics = metrics
         self.vocab = vocab
         self.pool = pool
         self.chat_template = chat_template
@@ -88,7 +90,9 @@ class Service:
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._encode, text, add_special_tokens)
+        with self.metrics.tokenize_time.time():
+            return await loop.run_in_executor(self._executor, self._encode, text,
+                                              add_special_tokens)
 
     def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_model_len:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ class RequestStream:
         self.cost = cost  # outstanding tokens charged to its link until it ends
         self.limit = limit
         self._on_cancel = on_cancel
+        self.submitted_at = time.monotonic()
         self.finished = False  # nothing more will be put
         self._records: deque[ResponseRecord] = deque()
         self._error: DpuFrontendError | None = None

@@ -5,20 +5,22 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dpu_frontend import __version__
 from dpu_frontend.engine.service import Service
 from dpu_frontend.http import openapi
 from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
-from dpu_frontend.http.errors import error_body, error_middleware
+from dpu_frontend.http.errors import boundary, error_body
 from dpu_frontend.http.tokenize import TokenizeHandlers
+from dpu_frontend.metrics import Metrics
 
 SERVICE_KEY = web.AppKey("service", Service)
 
 
-def create_app(service: Service, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Application:
+    app = web.Application(middlewares=[boundary(metrics)], client_max_size=64 << 20)
     app[SERVICE_KEY] = service
     created = int(time.time())
     spec = openapi.build(model_name)
@@ -49,6 +51,10 @@ def create_app(service: Service, model_name: str) -> web.Application:
     async def openapi_json(request: web.Request) -> web.Response:
         return web.json_response(spec)
 
+    async def prometheus(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app.router.add_post("/v1/completions", CompletionsHandler(service, model_name))
     app.router.add_post("/v1/chat/completions", ChatCompletionsHandler(service, model_name))
     app.router.add_post("/tokenize", tokenize.tokenize)
@@ -57,4 +63,5 @@ def create_app(service: Service, model_name: str) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi_json)
+    app.router.add_get("/metrics", prometheus)
     return app

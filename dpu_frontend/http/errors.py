@@ -1,23 +1,28 @@
-"""Every failure leaves as one OpenAI-style error body: ``{"error": {...}}``.
+"""The request boundary: every failure leaves as one OpenAI-style error body.
 
-The middleware is the request boundary: ``RequestError`` becomes its 4xx,
-``PeerError`` a 503, anything unexpected a logged 500 that never takes the
-worker down.
+``RequestError`` becomes its 4xx, ``PeerError`` a 503, anything unexpected a
+logged 500 that never takes the worker down. Each request is counted here
+too, by endpoint, status and finish reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from dpu_frontend.errors import PeerError, RequestError
+from dpu_frontend.metrics import Metrics
 
 log = logging.getLogger("dpu_frontend.http")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Where a handler leaves the finish reason of its request, for the counter.
+FINISH_REASON = "dpu_frontend.finish_reason"
+#: nginx's status for "the client closed the request".
+CLIENT_CLOSED = 499
 
 
 def error_body(message: str, type_: str, param: str | None = None,
@@ -39,8 +44,27 @@ def headers_for(exc: Exception) -> dict[str, str]:
     return {"Retry-After": str(retry)} if retry is not None else {}
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def boundary(metrics: Metrics) -> Middleware:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = 500
+        try:
+            response = await _answer(request, handler)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            endpoint = resource.canonical if resource is not None else "other"
+            metrics.requests.labels(endpoint, str(status),
+                                    request.get(FINISH_REASON, "none")).inc()
+
+    return middleware
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as exc:

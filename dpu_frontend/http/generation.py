@@ -9,11 +9,12 @@ with backpressure, usage, the error event) is here, once.
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -22,8 +23,9 @@ from aiohttp import web
 from dpu_frontend.engine.choices import ChoiceDelta, start_choices
 from dpu_frontend.engine.service import Service, TextOptions
 from dpu_frontend.errors import ModelNotFound, PeerError, RequestError
-from dpu_frontend.http.errors import body_for
+from dpu_frontend.http.errors import FINISH_REASON, body_for
 from dpu_frontend.http.schemas import SamplingFields, parse
+from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
 
 Request = TypeVar("Request", bound=SamplingFields)
@@ -43,6 +45,15 @@ class Job:
     n: int
     usage_each_chunk: bool
     completion_tokens: dict[int, int] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
+    error: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        """For the request counter: the first choice's, or ``error``."""
+        if self.error:
+            return "error"
+        return self.finish.get(0, "none")
 
     @property
     def prompt_tokens(self) -> int:
@@ -92,6 +103,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
     # -- the shared path ------------------------------------------------------
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
         req = parse(self.model_type, await request.read())
         if req.model != self.model_name:
             raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model",
@@ -109,16 +121,27 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                               req.skip_special_tokens)
         choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
                                 options)
+        timer = self.service.metrics.request(request.path, arrival)
         # aclosing: however this handler ends (a client that went away cancels it),
         # the generations' cleanup runs now and the cancel records go out.
-        async with contextlib.aclosing(choices) as deltas:
-            if req.stream:
-                return await self._stream(request, job, deltas, req.include_usage)
-            return await self._collect(job, deltas)
+        try:
+            async with contextlib.aclosing(_timed(choices, timer)) as deltas:
+                if req.stream:
+                    response = await self._stream(request, job, deltas, req.include_usage)
+                else:
+                    response = await self._collect(job, deltas)
+        except asyncio.CancelledError:
+            self.service.metrics.disconnected.inc()
+            self.service.metrics.aborted.labels("client_disconnected").inc()
+            raise
+        finally:
+            timer.finish(job.prompt_tokens)
+        request[FINISH_REASON] = job.finish_reason
+        return response
 
     async def _collect(self, job: Job, deltas: AsyncIterator[ChoiceDelta]) -> web.Response:
         texts: dict[int, list[str]] = {}
-        finish: dict[int, str] = {}
+        finish = job.finish
         async for delta in deltas:
             texts.setdefault(delta.index, []).append(delta.text)
             job.completion_tokens[delta.index] = delta.completion_tokens
@@ -141,6 +164,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 await _send(response, event | usage)
             async for delta in deltas:
                 job.completion_tokens[delta.index] = delta.completion_tokens
+                if delta.finish_reason is not None:
+                    job.finish[delta.index] = delta.finish_reason
                 if delta.text or delta.finish_reason:
                     if include_usage:
                         usage["usage"] = job.usage() if job.usage_each_chunk else None
@@ -150,10 +175,19 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
         except (RequestError, PeerError) as exc:
             # The status line is gone: the error becomes an event, then the stream ends.
+            job.error = True
             await _send(response, body_for(exc)[1])
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _timed(deltas: AsyncGenerator[ChoiceDelta, None],
+                 timer: RequestTimer) -> AsyncGenerator[ChoiceDelta, None]:
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            timer.on_delta(delta.index, delta.completion_tokens)
+            yield delta
 
 
 def envelope(job: Job, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

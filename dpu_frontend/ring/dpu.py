@@ -89,6 +89,7 @@ class DpuChannel:
         self._resp_produced = 0
         self.heartbeat = 0
         self.heartbeat_at = 0.0
+        self.sent: list[int] = []  # generate requests the last take_writes() sent
 
     # -- requests ---------------------------------------------------------
 
@@ -132,6 +133,7 @@ class DpuChannel:
         """
         ops: list[WriteOp] = []
         layout = self.layout
+        self.sent = []
         while self._pending:
             if self._next_seq - 1 - self._req_consumed >= layout.req_slots:
                 break  # no request slot: wait for the GPU to consume
@@ -147,6 +149,8 @@ class DpuChannel:
             slot = layout.req_slot_offset(self._next_seq)
             ops.append(WriteOp(slot + REQUEST_BODY_OFFSET, encode_request_body(record)))
             ops.append(WriteOp(slot, COMMIT.pack(self._next_seq)))
+            if isinstance(record, GenerateRecord):
+                self.sent.append(record.request_id)
             self._next_seq += 1
             self._pending.popleft()
             self._pending_tokens -= len(item.prompt) // 4
@@ -231,3 +235,8 @@ class DpuChannel:
     def in_ring(self) -> int:
         """Request records written and not yet consumed by the GPU."""
         return self._next_seq - 1 - self._req_consumed
+
+    @property
+    def unread(self) -> int:
+        """Response records published by the GPU and not yet read (as of the last poll)."""
+        return self._resp_produced - self._resp_consumed

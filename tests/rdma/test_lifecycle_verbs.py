@@ -10,6 +10,7 @@ import pytest
 from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.errors import PeerError
+from dpu_frontend.metrics import Metrics
 from dpu_frontend.peer.server import PeerServer
 from dpu_frontend.ring import Geometry, SamplingParams
 from dpu_frontend.softroce.harness import RXE_IP
@@ -43,7 +44,7 @@ async def test_a_lost_gpu_side_qp_is_a_completion_error() -> None:
     await peer.start()
     config = ServeConfig(peers=(PeerAddress(RXE_IP, peer.port),), transport="verbs",
                          rdma=RdmaConfig(ip=RXE_IP), peer_timeout_s=5.0)
-    pool = PeerPool(config)
+    pool = PeerPool(config, Metrics())
     try:
         await pool.start()
         stream = pool.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))

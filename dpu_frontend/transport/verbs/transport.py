@@ -91,6 +91,13 @@ class VerbsTransport(Transport):
         return self.staging_bytes
 
     async def write(self, ops: list[WriteOp]) -> None:
+        try:
+            await self._write(ops)
+        except TransportError as exc:
+            exc.opcode = "write"
+            raise
+
+    async def _write(self, ops: list[WriteOp]) -> None:
         for start in range(0, len(ops), POST_CHUNK):
             chunk = ops[start:start + POST_CHUNK]
             staged = self._stage(chunk)
@@ -102,6 +109,13 @@ class VerbsTransport(Transport):
             await self._wait(last)
 
     async def read(self, op: ReadOp) -> bytes:
+        try:
+            return await self._read(op)
+        except TransportError as exc:
+            exc.opcode = "read"
+            raise
+
+    async def _read(self, op: ReadOp) -> bytes:
         if op.length > self.staging_bytes:
             raise TransportError(f"read of {op.length} bytes exceeds staging")
         self._check(op.offset, op.length)

@@ -1,0 +1,140 @@
+"""/metrics: checked by promtool on a live scrape, and scraped by a real Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.lifecycle import eventually
+from tests.stack import MODEL, Stack, running_stack
+
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running_stack("shm", tokens_per_s=500, timeout=60) as s:
+        yield s
+
+
+async def traffic(stack: Stack) -> None:
+    """Streamed and not, both endpoints, a client error, a client that leaves."""
+    async with aiohttp.ClientSession(base_url=stack.base_url) as http:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "metrics", "max_tokens": 12, "stream": stream}
+            async with http.post("/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8, "stream": stream}
+            async with http.post("/v1/chat/completions", json=chat) as r:
+                assert r.status == 200
+                await r.read()
+        async with http.post("/v1/completions", json={"model": MODEL}) as r:
+            assert r.status == 400
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "bye",
+                                                    "max_tokens": 5000, "ignore_eos": True,
+                                                    "stream": True})
+        await r.content.readline()
+        r.close()  # disconnect mid-stream
+
+
+async def scrape(stack: Stack) -> str:
+    async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return await r.text()
+
+
+def value(text: str, pattern: str) -> float:
+    match = re.search(rf"^{pattern} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"no sample matches {pattern}"
+    return float(match.group(1))
+
+
+async def test_promtool_accepts_a_live_scrape(stack: Stack) -> None:
+    await traffic(stack)
+
+    async def disconnect_counted() -> bool:
+        return "dpu_frontend_disconnected_clients_total 1.0" in await scrape(stack)
+
+    await eventually(disconnect_counted, "the disconnected client was never counted")
+    text = await scrape(stack)
+    check = await asyncio.create_subprocess_exec(
+        PROMTOOL, "check", "metrics", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await check.communicate(text.encode())
+    assert check.returncode == 0, (out + err).decode()
+    assert value(text, r'dpu_frontend_requests_total\{endpoint="/v1/completions",'
+                       r'finish_reason="length",status="200"\}') == 2
+    assert value(text, r'dpu_frontend_requests_total\{endpoint="/v1/completions",'
+                       r'finish_reason="none",status="400"\}') == 1
+    assert value(text, r"dpu_frontend_time_to_first_token_seconds_count") >= 4
+    assert value(text, r"dpu_frontend_inter_token_latency_seconds_count") > 0
+    assert value(text, r"dpu_frontend_request_queue_time_seconds_count") >= 5
+    assert value(text, r"dpu_frontend_tokenize_seconds_count") >= 4
+    assert value(text, r'dpu_frontend_aborted_requests_total\{reason="client_disconnected"\}') == 1
+    assert value(text, r"dpu_frontend_output_tokens_total") >= 40
+    assert value(text, r'dpu_frontend_peer_up\{peer="[^"]+"\}') == 1
+    assert value(text, r'dpu_frontend_rdma_operations_total\{opcode="read",peer="[^"]+"\}') > 0
+    assert value(text, r"dpu_frontend_num_requests_running") == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_real_prometheus_scrapes_a_ttft_quantile(stack: Stack, tmp_path: Path) -> None:
+    target = stack.base_url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: dpu-frontend
+    static_configs:
+      - targets: ["{target}"]
+""")
+    port = free_port()
+    prometheus = await asyncio.create_subprocess_exec(
+        PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    query = ("histogram_quantile(0.9, sum by (le) "
+             "(rate(dpu_frontend_time_to_first_token_seconds_bucket[1m])))")
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ttft() -> float | None:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/api/v1/query",
+                                        params={"query": query}) as r:
+                        answer: dict[str, Any] = await r.json()
+                except aiohttp.ClientError:
+                    return None
+                results = answer.get("data", {}).get("result", [])
+                if not results or results[0]["value"][1] in ("NaN", "+Inf"):
+                    return None
+                return float(results[0]["value"][1])
+
+            async def scraped_with_traffic() -> bool:
+                await traffic(stack)
+                await asyncio.sleep(1)
+                return await ttft() is not None
+
+            await eventually(scraped_with_traffic, "Prometheus never returned a TTFT quantile",
+                             limit=120)
+            quantile = await ttft()
+            assert quantile is not None and 0 < quantile < 10
+    finally:
+        prometheus.terminate()
+        await prometheus.wait()
