@@ -26,6 +26,7 @@ from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.metrics import Metrics
+from dpu_frontend.sdnotify import Notifier
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -101,15 +102,29 @@ class Daemon:
 
 
 async def serve(config: ServeConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain and stop; exit status 0."""
+    """Run until SIGTERM/SIGINT, then drain and stop; exit status 0.
+
+    Under systemd (``Type=notify``): READY=1 once the peers are connected and
+    HTTP listens, WATCHDOG=1 from the event loop, STOPPING=1 when the drain
+    starts.
+    """
     daemon = Daemon(config)
+    notifier = Notifier.from_environment()
     stop = stop_on_signals()
+    watchdog: asyncio.Task[None] | None = None
     try:
         await daemon.start()
+        up = sum(link.up for link in daemon.pool.links)
+        notifier.ready(f"serving {config.model_name} on port {daemon.port}, "
+                       f"{up}/{len(daemon.pool.links)} GPU peers up")
+        watchdog = asyncio.create_task(notifier.watchdog(), name="watchdog")
         await stop.wait()
+        notifier.stopping(f"draining {daemon.pool.in_flight} open requests")
         await daemon.drain()
         return 0
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         await daemon.stop()
 
 

@@ -60,6 +60,7 @@ class Stack:
 def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float = 0,
                   timeout: float = 600, peer_args: tuple[str, ...] = (),
                   serve_args: tuple[str, ...] = (), peers: int = 1,
+                  serve_env: dict[str, str] | None = None,
                   daemon_exit: int = 0) -> Iterator[Stack]:
     """Reference peers and a daemon connected over ``transport``; all stopped at exit.
 
@@ -83,7 +84,8 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
         addresses = [a for p in started for a in ("--peer", p.address)]
         daemon, url = start_process(
             [*CLI, "serve", "--transport", transport, *net, *addresses,
-             "--port", "0", "--model-name", MODEL, *serve_args], DAEMON_READY, timeout)
+             "--port", "0", "--model-name", MODEL, *serve_args], DAEMON_READY, timeout,
+            env=serve_env)
         try:
             yield Stack(transport, url, started, daemon)
         finally:

@@ -26,6 +26,7 @@ from dpu_frontend.errors import DpuFrontendError, PeerError
 from dpu_frontend.lifecycle import stop_on_signals
 from dpu_frontend.peer.engine import Engine, default_corpus
 from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
+from dpu_frontend.sdnotify import Notifier
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
 from dpu_frontend.transport.shm import map_file
@@ -253,11 +254,14 @@ class PeerServer:
 async def run_peer(config: PeerConfig) -> int:
     """``dpu-frontend peer``: serve until SIGTERM/SIGINT."""
     server = PeerServer(config)
+    notifier = Notifier.from_environment()
     stop = stop_on_signals()
     try:
         await server.start()
         print(f"peer listening on {config.host}:{server.port}", flush=True)
+        notifier.ready(f"listening on {config.host}:{server.port}")
         await stop.wait()
+        notifier.stopping("closing")
     finally:
         await server.close()
     return 0

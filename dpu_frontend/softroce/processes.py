@@ -8,6 +8,7 @@ under the micro-VM's emulated CPU).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,9 +18,11 @@ PEER_READY = "peer listening on "
 DAEMON_READY = "daemon listening on "
 
 
-def start(argv: list[str], marker: str, timeout: float) -> tuple[subprocess.Popen[str], str]:
+def start(argv: list[str], marker: str, timeout: float,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """Start ``argv``; return it and the rest of its first stdout line starting with ``marker``."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     deadline = time.monotonic() + timeout
     if proc.stdout is not None:
         while time.monotonic() < deadline:
