@@ -10,19 +10,25 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
 from dpu_frontend import __version__
+from dpu_frontend.check import run_check
 from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.daemon import serve
 from dpu_frontend.errors import DpuFrontendError
+from dpu_frontend.logs import configure
 from dpu_frontend.peer.server import run_peer
 from dpu_frontend.ring import Geometry
+from dpu_frontend.settings import DEFAULT_PATH as DEFAULT_CONFIG
+from dpu_frontend.settings import PARSERS, build
 from dpu_frontend.softroce.demo import run_demo
 from dpu_frontend.softroce.harness import run_cli
 
@@ -46,44 +52,70 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
+def _serve_settings(serve: argparse.ArgumentParser) -> None:
+    """Every flag defaults to None: only flags given on the command line override."""
+    def add(flag: str, key: str, help: str, **kwargs: Any) -> None:
+        serve.add_argument(flag, dest=key, default=None, help=f"{help} [{key}]", **kwargs)
+
+    add("--transport", "transport", "verbs (RDMA, the product) or shm (shared-memory twin); "
+        "default verbs", choices=("verbs", "shm"))
+    add("--rdma-device", "rdma_device", "RDMA device name (rxe0, mlx5_2); default: the one "
+        "matching --rdma-ip, or the only device")
+    add("--rdma-ip", "rdma_ip", "RoCE address whose GID to use (selects device and GID index)")
+    add("--peer", "peers", f"GPU peer control address HOST:PORT; repeat for several GPUs "
+        f"(default 127.0.0.1:{DEFAULT_PEER_PORT})", action="append")
+    add("--host", "host", "HTTP listen address (default 127.0.0.1)")
+    add("--port", "port", "HTTP listen port, 0 for any (default 8000)", type=int)
+    add("--model-name", "model_name", "the model name clients send (default qwen3)")
+    add("--tokenizer", "tokenizer", "tokenizer.json or a directory holding it "
+        "(default: the bundled Qwen3 tokenizer)", type=Path)
+    add("--chat-template", "chat_template", "a .jinja chat template (default: the tokenizer "
+        "config's)", type=Path)
+    add("--max-model-len", "max_model_len", "context length (default: the tokenizer config's)",
+        type=int)
+    add("--channel", "channel", "the peers' ring pair to claim, -1 for any free one (default -1)",
+        type=int)
+    add("--poll-interval", "poll_interval_s", "seconds between response-ring polls while "
+        "requests are in flight (default 0.0005)", type=float)
+    add("--peer-timeout", "peer_timeout_s", "seconds without a heartbeat or an RDMA completion "
+        "before a peer is failed and its streams end with an error (default 1)", type=float)
+    add("--reconnect-max", "reconnect_max_s", "longest wait between reconnection attempts, "
+        "seconds (default 5)", type=float)
+    add("--max-queued-requests", "max_queued_requests", "requests waiting for each peer's "
+        "request ring before 429 (default 1024)", type=int)
+    add("--max-queued-prompt-tokens", "max_queued_prompt_tokens", "prompt tokens waiting for "
+        "each peer's request ring before 429 (default 1048576)", type=int)
+    add("--stream-buffer-records", "stream_buffer_records", "response records buffered for one "
+        "slow client before it is cut off (default 4096)", type=int)
+    add("--drain-timeout", "drain_timeout_s", "seconds open requests get to finish on SIGTERM "
+        "(default 30)", type=float)
+    add("--tokenizer-threads", "tokenizer_threads", "threads tokenizing prompts off the event "
+        "loop (default 2)", type=int)
+    add("--log-level", "log_level", "DEBUG, INFO, WARNING or ERROR (default INFO)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add("--log-format", "log_format", "text or json (JSON lines); default text",
+        choices=("text", "json"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpu-frontend", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dpu-frontend {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon (OpenAI-compatible HTTP in front "
-                                         "of a GPU peer)")
-    _common(serve)
-    serve.add_argument("--peer", action="append", default=[],
-                       help="GPU peer control address HOST:PORT; repeat for several GPUs "
-                            f"(default 127.0.0.1:{DEFAULT_PEER_PORT})")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP listen port (0: any)")
-    serve.add_argument("--model-name", default="qwen3", help="the model name clients send")
-    serve.add_argument("--chat-template", type=Path, default=None,
-                       help="a .jinja chat template (default: the tokenizer config's)")
-    serve.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (default: the tokenizer config's)")
-    serve.add_argument("--channel", type=int, default=-1,
-                       help="the peer's ring pair to claim (-1: any free one)")
-    serve.add_argument("--poll-interval", type=float, default=0.0005,
-                       help="seconds between response-ring polls while requests are in flight")
-    serve.add_argument("--peer-timeout", type=float, default=1.0,
-                       help="seconds without a heartbeat or an RDMA completion before a peer "
-                            "is failed and its streams end with an error")
-    serve.add_argument("--reconnect-max", type=float, default=5.0,
-                       help="longest wait between reconnection attempts, seconds")
-    serve.add_argument("--max-queued-requests", type=int, default=1024,
-                       help="requests waiting for each peer's request ring before 429")
-    serve.add_argument("--max-queued-prompt-tokens", type=int, default=1 << 20,
-                       help="prompt tokens waiting for each peer's request ring before 429")
-    serve.add_argument("--stream-buffer-records", type=int, default=4096,
-                       help="response records buffered for one slow client before it is cut off")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds open requests get to finish on SIGTERM")
-    serve.add_argument("--tokenizer-threads", type=int, default=2,
-                       help="threads tokenizing prompts (off the event loop)")
+    serve = sub.add_parser(
+        "serve", help="run the daemon (OpenAI-compatible HTTP in front of GPU peers)",
+        description="Settings come from the [serve] table of the config file, then "
+                    "DPU_FRONTEND_<SETTING> environment variables (e.g. DPU_FRONTEND_PORT), then "
+                    "these flags; each flag names its setting in brackets.")
+    serve.add_argument("--config", type=Path, default=None,
+                       help=f"TOML file (default {DEFAULT_CONFIG} if it exists)")
+    _serve_settings(serve)
 
+    check = sub.add_parser("check", help="diagnose what a deployment needs (RDMA, memlock, "
+                                         "tokenizer, GPU peers); non-zero exit on a problem")
+    check.add_argument("--config", type=Path, default=None,
+                       help=f"TOML file (default {DEFAULT_CONFIG} if it exists)")
+    _serve_settings(check)
     peer = sub.add_parser("peer", help="run the reference GPU peer")
     _common(peer)
     peer.add_argument("--host", default="127.0.0.1", help="control-plane listen address")
@@ -124,20 +156,10 @@ def _rdma(args: argparse.Namespace) -> RdmaConfig:
     return RdmaConfig(device=args.rdma_device, ip=args.rdma_ip)
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    peers = args.peer or [f"127.0.0.1:{DEFAULT_PEER_PORT}"]
-    return ServeConfig(
-        peers=tuple(PeerAddress.parse(p) for p in peers), transport=args.transport,
-        rdma=_rdma(args),
-        host=args.host, port=args.port, model_name=args.model_name, tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        max_model_len=args.max_model_len, channel=args.channel,
-        poll_interval_s=args.poll_interval, peer_timeout_s=args.peer_timeout,
-        reconnect_max_s=args.reconnect_max, max_queued_requests=args.max_queued_requests,
-        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
-        stream_buffer_records=args.stream_buffer_records, drain_timeout_s=args.drain_timeout,
-        tokenizer_threads=args.tokenizer_threads,
-    )
+def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, dict[str, Any]]:
+    """The config (file < environment < flags) and the logging settings."""
+    flags = {key: getattr(args, key) for key in PARSERS if hasattr(args, key)}
+    return build(flags, config_path=args.config, env=os.environ)
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:
@@ -150,11 +172,6 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
         mode=args.mode, tokens_per_s=args.tokens_per_s, tick_s=args.tick,
         tokenizer=args.tokenizer,
     )
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,9 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return run_demo(transport=args.transport, rdma_ip=args.rdma_ip, prompt=args.prompt,
                             max_tokens=args.max_tokens, port=args.port)
-        _logging(args.log_level)
-        if args.command == "serve":
-            return uvloop.run(serve(serve_config(args)))
+        if args.command in ("serve", "check"):
+            config, log_settings = serve_config(args)
+            configure(log_settings.get("log_level", "INFO"), log_settings.get("log_format", "text"))
+            if args.command == "check":
+                return uvloop.run(run_check(config))
+            return uvloop.run(serve(config))
+        configure(args.log_level)
         return uvloop.run(run_peer(peer_config(args)))
     except ValueError as exc:
         parser.error(str(exc))

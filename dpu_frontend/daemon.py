@@ -25,6 +25,7 @@ from dpu_frontend.engine.service import Service
 from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import stop_on_signals
+from dpu_frontend.logs import ACCESS_FORMAT
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.sdnotify import Notifier
 from dpu_frontend.text.assets import default_tokenizer_dir
@@ -66,8 +67,9 @@ class Daemon:
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
         self.runner = web.AppRunner(create_app(self.service, cfg.model_name, self.metrics),
-                                    handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=CLOSE_GRACE_S)
+                                    handler_cancellation=True, shutdown_timeout=CLOSE_GRACE_S,
+                                    access_log=logging.getLogger("dpu_frontend.access"),
+                                    access_log_format=ACCESS_FORMAT)
         await self.runner.setup()
         self.site = web.TCPSite(self.runner, cfg.host, cfg.port)
         await self.site.start()

@@ -12,7 +12,7 @@ from dpu_frontend.engine.service import Service
 from dpu_frontend.http import openapi
 from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
-from dpu_frontend.http.errors import boundary, error_body
+from dpu_frontend.http.errors import add_request_id, boundary, error_body
 from dpu_frontend.http.tokenize import TokenizeHandlers
 from dpu_frontend.metrics import Metrics
 
@@ -21,6 +21,7 @@ SERVICE_KEY = web.AppKey("service", Service)
 
 def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Application:
     app = web.Application(middlewares=[boundary(metrics)], client_max_size=64 << 20)
+    app.on_response_prepare.append(add_request_id)
     app[SERVICE_KEY] = service
     created = int(time.time())
     spec = openapi.build(model_name)

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from dpu_frontend.errors import PeerError, RequestError
+from dpu_frontend.logs import request_id
 from dpu_frontend.metrics import Metrics
 
 log = logging.getLogger("dpu_frontend.http")
 
 #: Where a handler leaves the finish reason of its request, for the counter.
 FINISH_REASON = "dpu_frontend.finish_reason"
+REQUEST_ID = "dpu_frontend.request_id"
 #: nginx's status for "the client closed the request".
 CLIENT_CLOSED = 499
 
@@ -44,10 +47,19 @@ def headers_for(exc: Exception) -> dict[str, str]:
     return {"Retry-After": str(retry)} if retry is not None else {}
 
 
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``X-Request-Id`` on every response, streams included (set before the status line)."""
+    response.headers.setdefault("X-Request-Id", request.get(REQUEST_ID, "-"))
+
+
 def boundary(metrics: Metrics) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         status = 500
+        # Every log line about this request carries its id (the client's, or a new one).
+        rid = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex[:16]
+        request[REQUEST_ID] = rid
+        request_id.set(rid)
         try:
             response = await _answer(request, handler)
             status = response.status
