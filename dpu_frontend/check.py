@@ -52,11 +52,15 @@ def rdma(config: ServeConfig, sysfs: Path = SYSFS) -> list[Finding]:
                              f"RDMA device {device}: port 1 {port}; RoCE v2 GIDs {gids or 'none'}",
                              "" if "ACTIVE" in port else f"bring up the netdev under {device}"))
     if not table:
-        rxe = "this kernel has rdma_rxe (deploy/softroce/setup.sh creates a device)" \
-            if native_possible() else "this kernel has no rdma_rxe"
+        if native_possible():
+            rxe, fix = "this kernel has rdma_rxe", "deploy/softroce/setup.sh creates rxe0"
+        else:
+            rxe, fix = "this kernel has no rdma_rxe", (
+                "run under `dpu-frontend softroce -- ...` (a micro-VM with a stock kernel), "
+                "or use transport shm for development")
         found.append(Finding(FAIL if needed else INFO, f"no RDMA device; {rxe}",
-                             "on a BlueField: load mlx5_ib and check `rdma link`; elsewhere: "
-                             "deploy/softroce/setup.sh" if needed else ""))
+                             f"on a BlueField: load mlx5_ib and check `rdma link`; {fix}"
+                             if needed else ""))
     if needed:
         if not compat.available():
             found.append(Finding(FAIL, compat.IMPORT_ERROR or "pyverbs missing",
