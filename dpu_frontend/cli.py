@@ -31,6 +31,7 @@ from dpu_frontend.settings import DEFAULT_PATH as DEFAULT_CONFIG
 from dpu_frontend.settings import PARSERS, build
 from dpu_frontend.softroce.demo import run_demo
 from dpu_frontend.softroce.harness import run_cli
+from dpu_frontend.workers import supervise
 
 log = logging.getLogger("dpu_frontend")
 
@@ -91,6 +92,12 @@ def _serve_settings(serve: argparse.ArgumentParser) -> None:
         "(default 30)", type=float)
     add("--tokenizer-threads", "tokenizer_threads", "threads tokenizing prompts off the event "
         "loop (default 2)", type=int)
+    add("--workers", "workers", "worker processes sharing the HTTP port, each with its own "
+        "channel to every peer (default 1)", type=int)
+    serve.add_argument("--worker-index", dest="worker_index", type=int, default=None,
+                       help=argparse.SUPPRESS)  # set by the supervisor
+    serve.add_argument("--metrics-dir", dest="metrics_dir", type=Path, default=None,
+                       help=argparse.SUPPRESS)  # set by the supervisor
     add("--log-level", "log_level", "DEBUG, INFO, WARNING or ERROR (default INFO)",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add("--log-format", "log_format", "text or json (JSON lines); default text",
@@ -193,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             configure(log_settings.get("log_level", "INFO"), log_settings.get("log_format", "text"))
             if args.command == "check":
                 return uvloop.run(run_check(config))
+            if config.workers > 1 and config.worker_index is None:
+                return uvloop.run(supervise(config, list(argv if argv is not None
+                                                         else sys.argv[1:])))
             return uvloop.run(serve(config))
         configure(args.log_level)
         return uvloop.run(run_peer(peer_config(args)))

@@ -89,6 +89,11 @@ class ServeConfig:
     stream_buffer_records: int = 4096  # per request; a slower client is cut off
     drain_timeout_s: float = 30.0
     tokenizer_threads: int = 2
+    # Worker processes sharing the HTTP port (SO_REUSEPORT), each with its own
+    # channel and QP to every peer (the peers need as many channels).
+    workers: int = 1
+    worker_index: int | None = None  # set by the supervisor for its workers
+    metrics_dir: Path | None = None  # prometheus-client multiprocess directory (workers)
 
     def __post_init__(self) -> None:
         _check_transport(self.transport)
@@ -103,8 +108,10 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers > 1 needs a fixed port (they share it)")
         for name in ("max_queued_requests", "max_queued_prompt_tokens", "stream_buffer_records",
-                     "tokenizer_threads"):
+                     "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.model_name:

@@ -36,6 +36,7 @@ log = logging.getLogger("dpu_frontend.http")
 
 #: After the drain, what aiohttp still gives handlers to write their last event.
 CLOSE_GRACE_S = 5.0
+GAUGE_INTERVAL_S = 1.0
 
 
 def raise_open_files_limit() -> int:
@@ -49,12 +50,13 @@ def raise_open_files_limit() -> int:
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.metrics_dir)
         self.pool = PeerPool(config, self.metrics)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
         self.site: web.TCPSite | None = None
         self.port = config.port
+        self._gauges: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -71,9 +73,12 @@ class Daemon:
                                     access_log=logging.getLogger("dpu_frontend.access"),
                                     access_log_format=ACCESS_FORMAT)
         await self.runner.setup()
-        self.site = web.TCPSite(self.runner, cfg.host, cfg.port)
+        # Workers share the port: the kernel spreads connections over them.
+        self.site = web.TCPSite(self.runner, cfg.host, cfg.port,
+                                reuse_port=cfg.worker_index is not None)
         await self.site.start()
         self.port = self.runner.addresses[0][1]
+        self._gauges = asyncio.create_task(self._refresh_gauges(), name="gauges")
         log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d)",
                  cfg.model_name, cfg.host, self.port, len(self.pool.links), files)
         print(f"daemon listening on http://{cfg.host}:{self.port}", flush=True)
@@ -95,7 +100,15 @@ class Daemon:
             self.pool.abort(Unavailable("the daemon is shutting down: the drain timeout ended "
                                         "this request"))
 
+    async def _refresh_gauges(self) -> None:
+        """Every second, so that the other workers see this one's state at their scrapes."""
+        while True:
+            self.pool.update_gauges()
+            await asyncio.sleep(GAUGE_INTERVAL_S)
+
     async def stop(self) -> None:
+        if self._gauges is not None:
+            self._gauges.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
         await self.pool.close()

@@ -1,20 +1,27 @@
 """Prometheus metrics, named as vLLM's with the ``dpu_frontend_`` prefix.
 
-One ``Metrics`` object per daemon, built at start and passed down; its own
-registry (no global state), served at ``GET /metrics``. Gauges that describe
-current state (running and waiting requests, ring occupancy, peer up) are
-computed at scrape time from the peer pool, so they can never drift.
+One ``Metrics`` object per process, built at start and passed down; its own
+registry (no global state), served at ``GET /metrics``. Gauges of current
+state (running and waiting requests, ring occupancy, peer up) are refreshed
+from the peer pool at every scrape and every second.
+
+With several worker processes (``serve --workers N``), prometheus-client's
+multiprocess mode is on: the supervisor gives every worker the same
+``PROMETHEUS_MULTIPROC_DIR`` (the library reads it when imported), each
+worker's values live in files there, and whichever worker answers a scrape
+aggregates all of them: counters and histograms summed, running and waiting
+requests summed over live workers, ring occupancy the fullest channel, a
+peer up only while every worker's link to it is up.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "dpu_frontend_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -24,7 +31,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time from request arrival to its first generated token.",
@@ -66,25 +74,28 @@ class Metrics:
                                    ["peer", "opcode"], registry=r)
         self.reconnects = Counter(PREFIX + "peer_reconnects", "Reconnections to a GPU peer.",
                                   ["peer"], registry=r)
-
-    def watch(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        """Gauges computed at scrape time by ``collect``."""
-        self.registry.register(_Collect(collect))
+        self.running = Gauge(PREFIX + "num_requests_running",
+                             "Requests whose record is in a request ring or which are generating.",
+                             multiprocess_mode="livesum", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting",
+                             "Requests queued in front of a request ring.",
+                             multiprocess_mode="livesum", registry=r)
+        self.peer_up = Gauge(PREFIX + "peer_up", "1 while the link to the GPU peer is up.",
+                             ["peer"], multiprocess_mode="livemin", registry=r)
+        self.ring_occupancy = Gauge(PREFIX + "ring_occupancy",
+                                    "Fraction of a ring in use, per peer.", ["peer", "ring"],
+                                    multiprocess_mode="livemax", registry=r)
 
     def request(self, endpoint: str, arrival: float) -> RequestTimer:
         return RequestTimer(self, endpoint, arrival)
 
-
-class _Collect(Collector):
-    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        self._collect = collect
-
-    def collect(self) -> Iterator[Metric]:
-        return self._collect()
-
-
-def gauge(name: str, documentation: str, labels: list[str] | None = None) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, documentation, labels=labels)
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this process's, or every worker's aggregated."""
+        if self.multiprocess_dir is None:
+            return bytes(generate_latest(self.registry))
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.multiprocess_dir))  # type: ignore[no-untyped-call]
+        return bytes(generate_latest(registry))
 
 
 @dataclass(slots=True)

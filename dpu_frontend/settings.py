@@ -82,6 +82,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "stream_buffer_records": _typed(int),
     "drain_timeout_s": _typed(float),
     "tokenizer_threads": _typed(int),
+    "workers": _typed(int),
+    "worker_index": _optional(_typed(int)),
+    "metrics_dir": _optional(_typed(Path)),
     "log_format": _typed(str),
     "log_level": _typed(str),
 }

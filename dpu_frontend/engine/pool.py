@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
-
-from prometheus_client.core import Metric
+from collections.abc import Sequence
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.link import PeerLink
@@ -24,7 +22,7 @@ from dpu_frontend.errors import (
     StartupError,
     Unavailable,
 )
-from dpu_frontend.metrics import Metrics, gauge
+from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import SamplingParams
 
 log = logging.getLogger("dpu_frontend.engine")
@@ -33,33 +31,27 @@ log = logging.getLogger("dpu_frontend.engine")
 class PeerPool:
     def __init__(self, config: ServeConfig, metrics: Metrics) -> None:
         self.config = config
+        self.metrics = metrics
         self.links = [PeerLink(config, address, metrics) for address in config.peers]
         self.draining = False
-        metrics.watch(self._gauges)
 
-    def _gauges(self) -> Iterator[Metric]:
-        """Current state, read at scrape time."""
-        running = gauge("num_requests_running", "Requests whose record is in a request ring "
-                        "or which are generating.")
-        waiting = gauge("num_requests_waiting", "Requests queued in front of a request ring.")
-        up = gauge("peer_up", "1 while the GPU peer's link is up.", ["peer"])
-        occupancy = gauge("ring_occupancy", "Fraction of a ring in use, per peer.",
-                          ["peer", "ring"])
+    def update_gauges(self) -> None:
+        """Refresh the state gauges (at each scrape, and every second)."""
+        m = self.metrics
         queued = in_flight = 0
         for link in self.links:
             peer = str(link.address)
-            up.add_metric([peer], 1.0 if link.up else 0.0)
+            m.peer_up.labels(peer).set(1.0 if link.up else 0.0)
             session = link.session
             channel = session.channel if session is not None else None
             in_flight += link.in_flight
             if channel is not None and link.up:
                 queued += channel.queued
-                occupancy.add_metric([peer, "request"], channel.in_ring / channel.layout.req_slots)
-                occupancy.add_metric([peer, "response"],
-                                     channel.unread / channel.layout.resp_slots)
-        running.add_metric([], in_flight - queued)
-        waiting.add_metric([], queued)
-        yield from (running, waiting, up, occupancy)
+                lay = channel.layout
+                m.ring_occupancy.labels(peer, "request").set(channel.in_ring / lay.req_slots)
+                m.ring_occupancy.labels(peer, "response").set(channel.unread / lay.resp_slots)
+        m.running.set(in_flight - queued)
+        m.waiting.set(queued)
 
     async def start(self) -> None:
         """Connect to every peer. A fatal answer from any, or none reachable, is an error."""

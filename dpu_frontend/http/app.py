@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from dpu_frontend import __version__
 from dpu_frontend.engine.service import Service
@@ -53,8 +53,9 @@ def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Appli
         return web.json_response(spec)
 
     async def prometheus(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        service.pool.update_gauges()
+        return web.Response(body=metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.router.add_post("/v1/completions", CompletionsHandler(service, model_name))
     app.router.add_post("/v1/chat/completions", ChatCompletionsHandler(service, model_name))
