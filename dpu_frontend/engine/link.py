@@ -61,6 +61,7 @@ class PeerLink:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
+        self._connected_before = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -96,10 +97,11 @@ class PeerLink:
             self.session, self.up, self.error = session, True, None
             if self._first is not None and not self._first.done():
                 self._first.set_result(None)
-            else:
+            if self._connected_before:
                 self.reconnects += 1
                 self.metrics.reconnects.labels(self._peer).inc()
                 log.info("GPU peer %s reconnected (reconnect %d)", self.address, self.reconnects)
+            self._connected_before = True
             try:
                 await self._serve(session)
             except PeerError as exc:
