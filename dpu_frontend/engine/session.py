@@ -41,7 +41,6 @@ class PeerSession:
         self.channel: DpuChannel | None = None
         self.layout: Layout | None = None
         self.channel_index = -1
-        self.eos_token_ids: tuple[int, ...] = ()
         self.reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._resources: RdmaResources | None = None
@@ -95,7 +94,6 @@ class PeerSession:
         self.channel = DpuChannel(channel_layout)
         self.channel.heartbeat_at = time.monotonic()  # the stall clock starts now
         self.channel_index = welcome.channel
-        self.eos_token_ids = tuple(int(t) for t in welcome.model.get("eos_token_ids", ()))
         log.info("connected to peer %s channel %d over %s (instance %x, protocol v%d.%d)",
                  self.address, welcome.channel, cfg.transport, self.layout.instance,
                  self.layout.version_major, self.layout.version_minor)

@@ -81,7 +81,3 @@ class IncrementalDetokenizer:
         if tail:
             self._emitted.append(tail)
         return tail
-
-    @property
-    def text(self) -> str:
-        return "".join(self._emitted)

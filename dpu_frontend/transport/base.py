@@ -32,8 +32,3 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every resource; idempotent."""
-
-    @property
-    def max_batch_bytes(self) -> int:
-        """The largest total a single ``write`` or ``read`` may move."""
-        return 1 << 62

@@ -86,10 +86,6 @@ class VerbsTransport(Transport):
         self.resources.to_rts(self.qp, self.local, remote)
         self.remote_addr, self.rkey, self.region_size = addr, rkey, size
 
-    @property
-    def max_batch_bytes(self) -> int:
-        return self.staging_bytes
-
     async def write(self, ops: list[WriteOp]) -> None:
         try:
             await self._write(ops)
