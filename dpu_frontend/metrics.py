@@ -86,8 +86,8 @@ class Metrics:
                                     "Fraction of a ring in use, per peer.", ["peer", "ring"],
                                     multiprocess_mode="livemax", registry=r)
 
-    def request(self, endpoint: str, arrival: float) -> RequestTimer:
-        return RequestTimer(self, endpoint, arrival)
+    def request(self, arrival: float) -> RequestTimer:
+        return RequestTimer(self, arrival)
 
     def exposition(self) -> bytes:
         """The text a scrape gets: this process's, or every worker's aggregated."""
@@ -103,7 +103,6 @@ class RequestTimer:
     """The latencies of one request, observed as its deltas arrive."""
 
     metrics: Metrics
-    endpoint: str
     arrival: float
     first: float | None = None
     last: dict[int, tuple[float, int]] = field(default_factory=dict)  # choice -> (time, tokens)

@@ -30,21 +30,36 @@ class ChoiceDelta:
     completion_tokens: int  # of this choice so far
 
 
+class Choices:
+    """The submitted sequences of one request."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+
+    def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
+        if len(self.generations) == 1:
+            return _single(self.generations[0])
+        return _merged(self.generations)
+
+    def cancel(self) -> None:
+        """Stop every sequence still generating (a no-op for those that ended). Needed
+        even if ``deltas`` never started: an unstarted generator has no cleanup to run."""
+        for generation in self.generations:
+            generation.cancel()
+
+
 def start_choices(service: Service, prompts: list[list[int]], params: SamplingParams, n: int,
-                  options: TextOptions) -> AsyncGenerator[ChoiceDelta, None]:
-    """Submit every choice now (raising admission errors), then stream their deltas."""
-    generations: list[Generation] = []
+                  options: TextOptions) -> Choices:
+    """Submit every choice now, raising admission errors before any response byte."""
+    choices = Choices([])
     try:
         for prompt in prompts:
             for j in range(n):
-                generations.append(service.submit(prompt, _nth(params, j), options))
+                choices.generations.append(service.submit(prompt, _nth(params, j), options))
     except BaseException:
-        for generation in generations:
-            generation.cancel()
+        choices.cancel()
         raise
-    if len(generations) == 1:
-        return _single(generations[0])
-    return _merged(generations)
+    return choices
 
 
 async def _single(generation: Generation) -> AsyncGenerator[ChoiceDelta, None]:
@@ -86,8 +101,6 @@ async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for generation in generations:
-            generation.cancel()
 
 
 def _nth(params: SamplingParams, j: int) -> SamplingParams:

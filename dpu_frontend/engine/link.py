@@ -49,6 +49,8 @@ class PeerLink:
         self.address = address
         self.metrics = metrics
         self._peer = str(address)  # the metrics label
+        self._writes = metrics.rdma_operations.labels(self._peer, "write")  # looked up once
+        self._reads = metrics.rdma_operations.labels(self._peer, "read")
         self.session: PeerSession | None = None
         self.up = False
         self.error: DpuFrontendError | None = None
@@ -81,7 +83,10 @@ class PeerLink:
         while True:
             try:
                 session = await PeerSession.connect(cfg, self.address)
-            except DpuFrontendError as exc:
+            except Exception as exc:
+                if not isinstance(exc, DpuFrontendError):
+                    log.exception("connecting to GPU peer %s failed unexpectedly", self.address)
+                    exc = PeerError(f"connecting to GPU peer {self.address} failed: {exc!r}")
                 self.error = exc
                 first_attempt = self._first is not None and not self._first.done()
                 if first_attempt and self._first is not None:
@@ -106,6 +111,9 @@ class PeerLink:
                 await self._serve(session)
             except PeerError as exc:
                 self._fail(exc)
+            except Exception as exc:  # a bug must end the streams and reconnect, not kill the link
+                log.exception("serving GPU peer %s failed unexpectedly", self.address)
+                self._fail(PeerError(f"internal error with GPU peer {self.address}: {exc!r}"))
             finally:
                 self.up = False
                 self.session = None
@@ -152,8 +160,9 @@ class PeerLink:
 
     def _cancel_on_gpu(self, stream: RequestStream) -> None:
         session = self.session
-        if not self.up or session is None or session.channel is None:
+        if stream.cancel_sent or not self.up or session is None or session.channel is None:
             return
+        stream.cancel_sent = True
         if not session.channel.cancel(stream.request_id):
             self._end(stream)  # it never left the queue: nothing will answer it
         self._wake.set()
@@ -166,10 +175,10 @@ class PeerLink:
 
     def abort(self, error: DpuFrontendError) -> None:
         """End every open stream with ``error`` and cancel its generation."""
-        if self._streams:
-            self.metrics.aborted.labels("shutdown").inc(len(self._streams))
         for stream in list(self._streams.values()):
-            stream.fail(error)
+            if not stream.finished:
+                self.metrics.aborted.labels("shutdown").inc()
+                stream.fail(error)
             self._cancel_on_gpu(stream)
 
     @property
@@ -193,7 +202,7 @@ class PeerLink:
 
     async def _watch_control(self, session: PeerSession) -> None:
         if session.reader is not None:
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(OSError):
                 await session.reader.read()
         raise PeerError(f"GPU peer {self.address} closed its control connection")
 
@@ -232,9 +241,9 @@ class PeerLink:
                 release = channel.consumer_update(idle=not reads)
                 if release is not None:
                     await transport.write([release])
-            ops = self.metrics.rdma_operations
-            ops.labels(self._peer, "write").inc(len(writes) + (release is not None))
-            ops.labels(self._peer, "read").inc(1 + len(reads))
+            if writes or release is not None:
+                self._writes.inc(len(writes) + (release is not None))
+            self._reads.inc(1 + len(reads))
             for request_id in channel.sent:
                 sent = self._streams.get(request_id)
                 if sent is not None:
@@ -245,7 +254,10 @@ class PeerLink:
                 raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
                                 f"{now - channel.heartbeat_at:.1f} s")
             if reads:
-                continue  # more may be waiting: poll again at once
+                # More may be waiting: poll again at once, but let the handlers run first
+                # (shm operations, and completions already in the CQ, never suspend).
+                await asyncio.sleep(0)
+                continue
             if self._streams or channel.queued:
                 await asyncio.sleep(cfg.poll_interval_s)
             else:

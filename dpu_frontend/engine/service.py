@@ -12,26 +12,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.stream import RequestStream
-from dpu_frontend.errors import PeerError, PromptTooLong
+from dpu_frontend.errors import PeerError, PromptTooLong, RequestError
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
 from dpu_frontend.text.stop import StopMatcher
-from dpu_frontend.text.tokenizer import Vocabulary
+from dpu_frontend.text.tokenizer import Vocabulary, encode
 
 log = logging.getLogger("dpu_frontend.engine")
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +68,30 @@ class Service:
         self._local = threading.local()
         self._serialized = vocab.tokenizer.to_str()
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _tokenizer(self) -> Tokenizer:
         """In a tokenizer thread: that thread's own tokenizer."""
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = Tokenizer.from_str(self._serialized)
-        batch = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        return list(batch[0].ids)
+        return tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return encode(self._tokenizer(), text, add_special_tokens=add_special_tokens)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-heavy request work (a huge decode, a template render) on the tokenizer
+        threads: a stalled event loop would also stall the RDMA deadlines."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self.off_loop(lambda: str(self._tokenizer().decode(ids)))
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Token ids a client sent must exist in the vocabulary the GPU side uses."""
+        size = self.vocab.tokenizer.get_vocab_size()
+        if ids and max(ids) >= size:
+            raise RequestError(f"token id {max(ids)} is outside the vocabulary ({size} ids)",
+                               param=param)
 
     async def warm_up(self) -> None:
         """Give every tokenizer thread its tokenizer now: loading one takes a few hundred

@@ -78,15 +78,18 @@ class PeerSession:
                 await asyncio.wait_for(messages.receive(reader), cfg.connect_timeout_s))
         except (OSError, TimeoutError) as exc:
             raise PeerError(f"handshake with GPU peer {self.address} failed: {exc}") from exc
-        if verbs is not None:
-            if welcome.qp is None:
-                raise PeerError("peer sent no QP description")
-            verbs.connect(QpInfo.from_dict(welcome.qp), int(welcome.region["addr"]),
-                          int(welcome.region["rkey"]), welcome.region_size)
-        else:
-            shm = ShmTransport(str(welcome.region["path"]), welcome.region_size)
-            self.transport = shm
-            shm.start()
+        try:
+            if verbs is not None:
+                if welcome.qp is None:
+                    raise PeerError("peer sent no QP description")
+                verbs.connect(QpInfo.from_dict(welcome.qp), int(welcome.region["addr"]),
+                              int(welcome.region["rkey"]), welcome.region_size)
+            else:
+                shm = ShmTransport(str(welcome.region["path"]), welcome.region_size)
+                self.transport = shm
+                shm.start()
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"peer {self.address} described its region badly: {exc!r}") from exc
         self.layout = await self._read_layout(welcome)
         channel_layout = self.layout.channels[welcome.channel]
         if verbs is not None:
@@ -106,6 +109,9 @@ class PeerSession:
             raise LayoutMismatch(f"peer region of {welcome.region_size} bytes is too small")
         head = await transport.read(ReadOp(0, HEADER_SIZE))
         size = decode_header_size(head)
+        if not HEADER_SIZE <= size <= welcome.region_size:
+            raise LayoutMismatch(f"layout record of {size} bytes in a region of "
+                                 f"{welcome.region_size}")
         if isinstance(transport, VerbsTransport):
             transport.reserve(size)
         layout = decode_layout(await transport.read(ReadOp(0, size)))

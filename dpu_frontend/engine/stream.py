@@ -27,6 +27,7 @@ class RequestStream:
         self._on_cancel = on_cancel
         self.submitted_at = time.monotonic()
         self.finished = False  # nothing more will be put
+        self.cancel_sent = False  # a cancel record is on its way: never send two
         self._records: deque[ResponseRecord] = deque()
         self._error: DpuFrontendError | None = None
         self._ready = asyncio.Event()

@@ -17,8 +17,9 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
     chunk_object = "chat.completion.chunk"
 
     async def prompts(self, req: ChatCompletionRequest) -> list[list[int]]:
-        text = render(self.service.chat_template, req.messages, req.add_generation_prompt,
-                      req.continue_final_message, req.chat_template_kwargs)
+        text = await self.service.off_loop(
+            render, self.service.chat_template, req.messages, req.add_generation_prompt,
+            req.continue_final_message, req.chat_template_kwargs)
         # The template writes the special tokens (BOS) itself, as HF's apply_chat_template.
         return [await self.service.tokenize(text, add_special_tokens=False)]
 

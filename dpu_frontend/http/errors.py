@@ -24,6 +24,8 @@ log = logging.getLogger("dpu_frontend.http")
 #: Where a handler leaves the finish reason of its request, for the counter.
 FINISH_REASON = "dpu_frontend.finish_reason"
 REQUEST_ID = "dpu_frontend.request_id"
+#: Set by a handler whose client went away mid-answer: counted as 499.
+CLIENT_GONE = "dpu_frontend.client_gone"
 #: nginx's status for "the client closed the request".
 CLIENT_CLOSED = 499
 
@@ -62,7 +64,7 @@ def boundary(metrics: Metrics) -> Middleware:
         request_id.set(rid)
         try:
             response = await _answer(request, handler)
-            status = response.status
+            status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
             return response
         except asyncio.CancelledError:
             status = CLIENT_CLOSED

@@ -23,7 +23,7 @@ from aiohttp import web
 from dpu_frontend.engine.choices import ChoiceDelta, start_choices
 from dpu_frontend.engine.service import Service, TextOptions
 from dpu_frontend.errors import ModelNotFound, PeerError, RequestError
-from dpu_frontend.http.errors import FINISH_REASON, body_for
+from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for
 from dpu_frontend.http.schemas import SamplingFields, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
@@ -47,6 +47,7 @@ class Job:
     completion_tokens: dict[int, int] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     error: bool = False
+    client_gone: bool = False
 
     @property
     def finish_reason(self) -> str:
@@ -111,6 +112,9 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         prompts = await self.prompts(req)
         if any(not p for p in prompts):
             raise RequestError("prompt encodes to zero tokens", param="prompt")
+        for prompt in prompts:
+            self.service.check_ids(prompt, "prompt")
+        self.service.check_ids(req.stop_token_ids, "stop_token_ids")
         longest = max(len(p) for p in prompts)
         max_tokens = self.requested_max_tokens(req) or max(1, self.default_max_tokens(longest))
         self.service.check_length(longest, max_tokens)
@@ -121,21 +125,26 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                               req.skip_special_tokens)
         choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
                                 options)
-        timer = self.service.metrics.request(request.path, arrival)
-        # aclosing: however this handler ends (a client that went away cancels it),
-        # the generations' cleanup runs now and the cancel records go out.
+        metrics = self.service.metrics
+        timer = metrics.request(arrival)
         try:
-            async with contextlib.aclosing(_timed(choices, timer)) as deltas:
+            async with contextlib.aclosing(_timed(choices.deltas(), timer)) as deltas:
                 if req.stream:
                     response = await self._stream(request, job, deltas, req.include_usage)
                 else:
                     response = await self._collect(job, deltas)
         except asyncio.CancelledError:
-            self.service.metrics.disconnected.inc()
-            self.service.metrics.aborted.labels("client_disconnected").inc()
+            job.client_gone = True
             raise
         finally:
+            # However this handler ends (a client that went away cancels it), every
+            # sequence still generating is cancelled on the GPU side now.
+            choices.cancel()
             timer.finish(job.prompt_tokens)
+            if job.client_gone:
+                metrics.disconnected.inc()
+                metrics.aborted.labels("client_disconnected").inc()
+                request[CLIENT_GONE] = True
         request[FINISH_REASON] = job.finish_reason
         return response
 
@@ -156,6 +165,16 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                       include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        try:
+            await self._events(response, job, deltas, include_usage)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            job.client_gone = True  # the client closed the connection under a write
+        return response
+
+    async def _events(self, response: web.StreamResponse, job: Job,
+                      deltas: AsyncIterator[ChoiceDelta], include_usage: bool) -> None:
         usage: dict[str, Any] = {}
         try:
             for event in self.opening(job):
@@ -177,9 +196,6 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             # The status line is gone: the error becomes an event, then the stream ends.
             job.error = True
             await _send(response, body_for(exc)[1])
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
 
 async def _timed(deltas: AsyncGenerator[ChoiceDelta, None],

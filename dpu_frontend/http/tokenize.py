@@ -36,8 +36,9 @@ class TokenizeHandlers:
         if is_chat:
             chat = parse(TokenizeChatRequest, body)
             self._check_model(chat.model)
-            text = render(self.service.chat_template, chat.messages, chat.add_generation_prompt,
-                          chat.continue_final_message, chat.chat_template_kwargs)
+            text = await self.service.off_loop(
+                render, self.service.chat_template, chat.messages, chat.add_generation_prompt,
+                chat.continue_final_message, chat.chat_template_kwargs)
             tokens = await self.service.tokenize(text, add_special_tokens=chat.add_special_tokens)
         else:
             req = parse(TokenizeCompletionRequest, body)
@@ -50,9 +51,5 @@ class TokenizeHandlers:
     async def detokenize(self, request: web.Request) -> web.Response:
         req = parse(DetokenizeRequest, await request.read())
         self._check_model(req.model)
-        vocab_size = self.service.vocab.tokenizer.get_vocab_size()
-        bad = [t for t in req.tokens if t >= vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary ({vocab_size})",
-                               param="tokens")
-        return web.json_response({"prompt": self.service.vocab.decode(req.tokens)})
+        self.service.check_ids(req.tokens, "tokens")
+        return web.json_response({"prompt": await self.service.detokenize(req.tokens)})

@@ -153,8 +153,12 @@ class PeerServer:
             if resources is None or hello.qp is None:
                 raise PeerError("verbs hello without a QP description")
             qp = resources.create_qp()
-            local = resources.local_info(qp)
-            resources.to_rts(qp, local, QpInfo.from_dict(hello.qp))
+            try:
+                local = resources.local_info(qp)
+                resources.to_rts(qp, local, QpInfo.from_dict(hello.qp))
+            except BaseException:
+                resources.destroy_qp(qp)
+                raise
             channel.qp = qp
             qp_info = local.to_dict()
             region = {"addr": self._address, "rkey": self._mr.rkey}

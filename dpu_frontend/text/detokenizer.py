@@ -40,27 +40,41 @@ class IncrementalDetokenizer:
         self.resets = 0
 
     def push(self, ids: tuple[int, ...] | list[int]) -> str:
-        """Feed new ids; return the text they complete (possibly empty)."""
-        out: list[str] = []
-        for token_id in ids:
-            self.ids.append(token_id)
-            chunk = self._step(token_id)
-            if chunk:
-                out.append(chunk)
-        text = "".join(out)
+        """Feed new ids; return the text they complete (possibly empty).
+
+        A whole record's ids go to DecodeStream in one call (one crossing into
+        Rust per record, not per token); after an "Invalid prefix" the record is
+        stepped again, one id at a time, on a fresh stream.
+        """
+        if not ids:
+            return ""
+        self.ids.extend(ids)
+        try:
+            text = self._stream.step(self._tokenizer, list(ids)) or ""
+        except Exception as exc:  # tokenizers raises a bare Exception here
+            if "Invalid prefix" not in str(exc):
+                raise
+            text = "".join(self._restart(ids))
         if text:
             self._emitted.append(text)
         return text
 
-    def _step(self, token_id: int) -> str | None:
-        try:
-            return self._stream.step(self._tokenizer, token_id)
-        except Exception as exc:  # tokenizers raises a bare Exception here
-            if "Invalid prefix" not in str(exc):
-                raise
+    def _restart(self, ids: tuple[int, ...] | list[int]) -> list[str]:
         self.resets += 1
         self._stream = self._new_stream()
-        return self._stream.step(self._tokenizer, token_id)
+        out = []
+        for token_id in ids:
+            try:
+                chunk = self._stream.step(self._tokenizer, token_id)
+            except Exception as exc:
+                if "Invalid prefix" not in str(exc):
+                    raise
+                self.resets += 1
+                self._stream = self._new_stream()
+                chunk = self._stream.step(self._tokenizer, token_id)
+            if chunk:
+                out.append(chunk)
+        return out
 
     def _new_stream(self) -> DecodeStream:
         stream = DecodeStream(skip_special_tokens=self._skip)

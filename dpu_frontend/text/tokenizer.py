@@ -56,9 +56,7 @@ class Vocabulary:
                    _chat_template(config), _drops_leading_space(tokenizer))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. ``encode_batch`` releases the GIL; ``encode`` does not."""
-        batch = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        return list(batch[0].ids)
+        return encode(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -84,6 +82,11 @@ class Vocabulary:
         if full.startswith(before):
             return full[len(before):]
         return self.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``. ``encode_batch`` releases the GIL; ``encode`` does not."""
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
