@@ -30,7 +30,6 @@ log = logging.getLogger("dpu_frontend.engine")
 
 class PeerPool:
     def __init__(self, config: ServeConfig, metrics: Metrics) -> None:
-        self.config = config
         self.metrics = metrics
         self.links = [PeerLink(config, address, metrics) for address in config.peers]
         self.draining = False

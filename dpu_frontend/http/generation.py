@@ -22,9 +22,9 @@ from aiohttp import web
 
 from dpu_frontend.engine.choices import ChoiceDelta, start_choices
 from dpu_frontend.engine.service import Service, TextOptions
-from dpu_frontend.errors import ModelNotFound, PeerError, RequestError
+from dpu_frontend.errors import PeerError, RequestError
 from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for
-from dpu_frontend.http.schemas import SamplingFields, parse
+from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
 
@@ -106,9 +106,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse(self.model_type, await request.read())
-        if req.model != self.model_name:
-            raise ModelNotFound(f"The model `{req.model}` does not exist.", param="model",
-                                code="model_not_found")
+        check_model(req.model, self.model_name)
         prompts = await self.prompts(req)
         if any(not p for p in prompts):
             raise RequestError("prompt encodes to zero tokens", param="prompt")

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from dpu_frontend.errors import RequestError
+from dpu_frontend.errors import ModelNotFound, RequestError
 from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
 
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
@@ -54,6 +54,10 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "reasoning_effort": (),
 }
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class _Strict(BaseModel):
@@ -91,7 +95,7 @@ class SamplingFields(_Strict):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
+        stops = _stop_list(stop)
         if len(stops) > MAX_STOP_STRINGS or not all(stops):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         return stop
@@ -106,9 +110,7 @@ class SamplingFields(_Strict):
 
     @property
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return _stop_list(self.stop)
 
     @property
     def include_usage(self) -> bool:
@@ -188,6 +190,13 @@ class DetokenizeRequest(_Strict):
 
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 for a model this daemon does not serve (``None``: not given, fine)."""
+    if requested is not None and requested != served:
+        raise ModelNotFound(f"The model `{requested}` does not exist.", param="model",
+                            code="model_not_found")
 
 
 def parse(model: type[Model], body: bytes) -> Model:

@@ -7,12 +7,13 @@ import json
 from aiohttp import web
 
 from dpu_frontend.engine.service import Service
-from dpu_frontend.errors import ModelNotFound, RequestError
+from dpu_frontend.errors import RequestError
 from dpu_frontend.http.chat import render
 from dpu_frontend.http.schemas import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    check_model,
     parse,
 )
 
@@ -23,9 +24,7 @@ class TokenizeHandlers:
         self.model_name = model_name
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model",
-                                code="model_not_found")
+        check_model(model, self.model_name)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.read()

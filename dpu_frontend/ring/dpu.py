@@ -74,9 +74,8 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 class DpuChannel:
     """Sequence numbers, credits, the prompt arena and response parsing for one channel."""
 
-    def __init__(self, layout: ChannelLayout, *, max_records_per_read: int = 0) -> None:
+    def __init__(self, layout: ChannelLayout) -> None:
         self.layout = layout
-        self._window = max_records_per_read or layout.resp_slots
         self._pending: deque[_Pending] = deque()
         self._pending_tokens = 0  # prompt tokens in _pending
         self._next_seq = 1  # the next request record's sequence number
@@ -199,7 +198,7 @@ class DpuChannel:
         self._resp_produced = produced
         ops: list[ReadOp] = []
         position = self._resp_consumed
-        end = min(produced, position + self._window)
+        end = produced
         while position < end:
             index = position % layout.resp_slots
             count = min(end - position, layout.resp_slots - index)  # stop at the ring's end

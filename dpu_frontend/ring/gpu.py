@@ -141,10 +141,6 @@ class GpuChannel:
         self._words.release()
 
     @property
-    def produced(self) -> int:
-        return self._produced
-
-    @property
     def consumed(self) -> int:
         """Request records taken this session (slots reused once it passes req_slots)."""
         return self._next_seq - 1

