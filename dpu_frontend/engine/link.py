@@ -36,7 +36,7 @@ from dpu_frontend.errors import (
     Unavailable,
 )
 from dpu_frontend.metrics import Metrics
-from dpu_frontend.ring import ResponseRecord, SamplingParams
+from dpu_frontend.ring import DpuChannel, ResponseRecord, SamplingParams
 
 log = logging.getLogger("dpu_frontend.ring")
 
@@ -131,11 +131,16 @@ class PeerLink:
 
     # -- requests ---------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+    @property
+    def channel(self) -> DpuChannel | None:
+        """The ring pair of the current session, while the link is up."""
         session = self.session
-        if not self.up or session is None or session.channel is None:
+        return session.channel if self.up and session is not None else None
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+        channel, cfg = self.channel, self.config
+        if channel is None:
             raise Unavailable(f"GPU peer {self.address} is down: {self.error}")
-        channel, cfg = session.channel, self.config
         if channel.queued >= cfg.max_queued_requests:
             raise Overloaded(f"{channel.queued} requests already wait for GPU peer {self.address}")
         if channel.queued_tokens + len(prompt) > cfg.max_queued_prompt_tokens:
@@ -159,11 +164,11 @@ class PeerLink:
         self._cancel_on_gpu(stream)
 
     def _cancel_on_gpu(self, stream: RequestStream) -> None:
-        session = self.session
-        if stream.cancel_sent or not self.up or session is None or session.channel is None:
+        channel = self.channel
+        if stream.cancel_sent or channel is None:
             return
         stream.cancel_sent = True
-        if not session.channel.cancel(stream.request_id):
+        if not channel.cancel(stream.request_id):
             self._end(stream)  # it never left the queue: nothing will answer it
         self._wake.set()
 

@@ -41,10 +41,9 @@ class PeerPool:
         for link in self.links:
             peer = str(link.address)
             m.peer_up.labels(peer).set(1.0 if link.up else 0.0)
-            session = link.session
-            channel = session.channel if session is not None else None
+            channel = link.channel
             in_flight += link.in_flight
-            if channel is not None and link.up:
+            if channel is not None:
                 queued += channel.queued
                 lay = channel.layout
                 m.ring_occupancy.labels(peer, "request").set(channel.in_ring / lay.req_slots)

@@ -173,21 +173,22 @@ class GenerationHandler(abc.ABC, Generic[Request]):
 
     async def _events(self, response: web.StreamResponse, job: Job,
                       deltas: AsyncIterator[ChoiceDelta], include_usage: bool) -> None:
-        usage: dict[str, Any] = {}
+        def usage() -> dict[str, Any]:
+            """The ``usage`` field of a chunk: absent, null, or the counts so far."""
+            if not include_usage:
+                return {}
+            return {"usage": job.usage() if job.usage_each_chunk else None}
+
         try:
             for event in self.opening(job):
-                if include_usage:
-                    usage["usage"] = job.usage() if job.usage_each_chunk else None
-                await _send(response, event | usage)
+                await _send(response, event | usage())
             async for delta in deltas:
                 job.completion_tokens[delta.index] = delta.completion_tokens
                 if delta.finish_reason is not None:
                     job.finish[delta.index] = delta.finish_reason
                 if delta.text or delta.finish_reason:
-                    if include_usage:
-                        usage["usage"] = job.usage() if job.usage_each_chunk else None
                     # One awaited write per event: aiohttp applies backpressure here.
-                    await _send(response, self.chunk(job, delta) | usage)
+                    await _send(response, self.chunk(job, delta) | usage())
             if include_usage:
                 await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
         except (RequestError, PeerError) as exc:
