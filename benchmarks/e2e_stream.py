@@ -9,6 +9,11 @@ an aiohttp server streaming canned events of the same shape and count
 daemon, so both figures are of the pair, measured the same way.
 
     python -m benchmarks.e2e_stream --concurrency 32 --tokens 256
+
+On a GPU machine, against the CUDA peer, with the daemon pinned to two cores
+(standing in for the DPU's) and the client on others:
+
+    python -m benchmarks.e2e_stream --peer gpu-peer --tokens-per-step 1 --daemon-cores 0-1
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,9 +78,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--peer", choices=("peer", "gpu-peer"), default="peer",
+                        help="the reference peer, or the CUDA peer (a GPU machine)")
+    parser.add_argument("--tokens-per-step", type=int, default=0,
+                        help="tokens per record per engine step (0: a full record)")
+    parser.add_argument("--daemon-cores", default=None,
+                        help="pin the daemon (taskset -c LIST); the client takes the other cores")
     args = parser.parse_args()
 
-    with running_stack("shm", tokens_per_s=0, timeout=120) as stack:
+    prefix: tuple[str, ...] = ()
+    if args.daemon_cores:
+        prefix = ("taskset", "-c", args.daemon_cores)
+        pinned = cpu_list(args.daemon_cores)
+        os.sched_setaffinity(0, (os.sched_getaffinity(0) - pinned) or os.sched_getaffinity(0))
+    peer_args: tuple[str, ...] = ("--tokens-per-step", str(args.tokens_per_step))
+    if args.peer == "gpu-peer":
+        peer_args += ("--max-sequences", "1024", "--resp-slots", "2048")
+    with running_stack("shm", tokens_per_s=0, timeout=300, peer_command=args.peer,
+                       peer_args=peer_args, daemon_prefix=prefix) as stack:
         daemon = asyncio.run(load(stack.base_url, MODEL, args.concurrency, args.tokens))
     proc, url = start_bare(args.tokens)
     try:
@@ -82,6 +103,8 @@ def main() -> None:
     finally:
         stop(proc)
     record("e2e_stream_shm", {
+        "peer": args.peer, "daemon cores": args.daemon_cores or "any",
+        "tokens per step": args.tokens_per_step or "a full record",
         "concurrency x tokens": f"{args.concurrency} x {args.tokens}",
         "daemon tokens/s delivered": daemon["tokens/s"],
         "daemon SSE events/s (one event per text delta)": daemon["events/s"],
@@ -89,6 +112,15 @@ def main() -> None:
         "bare limit: aiohttp canned SSE events/s (one token each)": bare["events/s"],
         "bare ttft p50 / p99 ms": f"{bare['ttft p50 ms']} / {bare['ttft p99 ms']}",
     })
+
+
+def cpu_list(text: str) -> set[int]:
+    """taskset's CPU list: ``0-1,4``."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
 
 
 def start_bare(events: int) -> tuple[subprocess.Popen[str], str]:

@@ -1,4 +1,4 @@
-"""``dpu-frontend``: serve, peer, demo, softroce.
+"""``dpu-frontend``: serve, check, peer, gpu-peer, peer-stats, demo, softroce.
 
 The CLI is the edge where configuration is built: flags become one frozen
 config object, validated once; a bad value exits 2 with its message.
@@ -24,6 +24,12 @@ from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.daemon import serve
 from dpu_frontend.errors import DpuFrontendError
+from dpu_frontend.gpu.launcher import (
+    GPU_GEOMETRY,
+    add_gpu_arguments,
+    gpu_peer_config,
+    run_gpu_peer,
+)
 from dpu_frontend.logs import configure
 from dpu_frontend.peer.server import run_peer
 from dpu_frontend.ring import Geometry
@@ -124,19 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"TOML file (default {DEFAULT_CONFIG} if it exists)")
     _serve_settings(check)
     peer = sub.add_parser("peer", help="run the reference GPU peer")
-    _common(peer)
-    peer.add_argument("--host", default="127.0.0.1", help="control-plane listen address")
-    peer.add_argument("--port", type=int, default=DEFAULT_PEER_PORT, help="control-plane port")
-    peer.add_argument("--shm-path", type=Path, default=Path("/dev/shm/dpu-frontend-peer"))
-    peer.add_argument("--channels", type=int, default=1, help="ring pairs (one per daemon worker)")
-    peer.add_argument("--req-slots", type=int, default=256)
-    peer.add_argument("--arena-bytes", type=int, default=4 << 20)
-    peer.add_argument("--resp-slots", type=int, default=1024)
-    peer.add_argument("--resp-slot-size", type=int, default=64)
-    peer.add_argument("--mode", choices=("replay", "echo"), default="replay")
+    _peer_settings(peer, Geometry())
     peer.add_argument("--tokens-per-s", type=float, default=50.0,
                       help="per-sequence generation rate (0: as fast as the ring takes)")
     peer.add_argument("--tick", type=float, default=0.001, help="engine step period, seconds")
+
+    gpu = sub.add_parser("gpu-peer", help="run the CUDA peer: the ring served by a persistent "
+                                          "GPU kernel (needs a CUDA GPU and nvcc)")
+    _peer_settings(gpu, GPU_GEOMETRY)
+    add_gpu_arguments(gpu)
 
     stats = sub.add_parser("peer-stats", help="print a GPU peer's per-channel counters (JSON)")
     stats.add_argument("--peer", default=f"127.0.0.1:{DEFAULT_PEER_PORT}", help="HOST:PORT")
@@ -159,6 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _peer_settings(parser: argparse.ArgumentParser, geometry: Geometry) -> None:
+    """What the reference peer and the CUDA peer share: address, region, token source."""
+    _common(parser)
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="control-plane listen address")
+    add("--port", type=int, default=DEFAULT_PEER_PORT, help="control-plane port")
+    add("--shm-path", type=Path, default=Path("/dev/shm/dpu-frontend-peer"))
+    add("--channels", type=int, default=geometry.channels, help="ring pairs (one per daemon worker)")
+    add("--req-slots", type=int, default=geometry.req_slots)
+    add("--arena-bytes", type=int, default=geometry.arena_bytes)
+    add("--resp-slots", type=int, default=geometry.resp_slots,
+        help=f"response slots per channel, >= 2 x --max-sequences (default {geometry.resp_slots})")
+    add("--resp-slot-size", type=int, default=geometry.resp_slot_size)
+    add("--max-sequences", type=int, default=geometry.max_sequences,
+        help=f"sequences a channel runs at once (default {geometry.max_sequences})")
+    add("--max-prompt-tokens", type=int, default=geometry.max_prompt_tokens,
+        help="longest prompt taken, 0: the whole arena (default %(default)s)")
+    add("--mode", choices=("replay", "echo"), default="replay")
+    add("--tokens-per-step", type=int, default=0,
+        help="tokens per sequence per engine step, 0: a full record (default 0)")
+
+
 def _rdma(args: argparse.Namespace) -> RdmaConfig:
     return RdmaConfig(device=args.rdma_device, ip=args.rdma_ip)
 
@@ -175,8 +199,10 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
         shm_path=args.shm_path,
         geometry=Geometry(channels=args.channels, req_slots=args.req_slots,
                           arena_bytes=args.arena_bytes, resp_slots=args.resp_slots,
-                          resp_slot_size=args.resp_slot_size),
-        mode=args.mode, tokens_per_s=args.tokens_per_s, tick_s=args.tick,
+                          resp_slot_size=args.resp_slot_size, max_sequences=args.max_sequences,
+                          max_prompt_tokens=args.max_prompt_tokens),
+        mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", 0.0),
+        tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick", 0.001),
         tokenizer=args.tokenizer,
     )
 
@@ -205,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          else sys.argv[1:])))
             return uvloop.run(serve(config))
         configure(args.log_level)
+        if args.command == "gpu-peer":
+            return uvloop.run(run_gpu_peer(gpu_peer_config(args, peer_config(args))))
         return uvloop.run(run_peer(peer_config(args)))
     except ValueError as exc:
         parser.error(str(exc))

@@ -136,6 +136,7 @@ class PeerConfig:
     geometry: Geometry = field(default_factory=Geometry)
     mode: str = "replay"
     tokens_per_s: float = 50.0
+    tokens_per_step: int = 0  # tokens per sequence per engine step; 0: a full record
     tick_s: float = 0.001
     tokenizer: Path | None = None
 
@@ -148,3 +149,5 @@ class PeerConfig:
             raise ValueError("tokens_per_s must be >= 0 (0: as fast as possible)")
         if not 0 < self.tick_s <= 1:
             raise ValueError("tick_s must be in (0, 1]")
+        if self.tokens_per_step < 0:
+            raise ValueError("tokens_per_step must be >= 0 (0: a full record per step)")

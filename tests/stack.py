@@ -61,10 +61,13 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
                   timeout: float = 600, peer_args: tuple[str, ...] = (),
                   serve_args: tuple[str, ...] = (), peers: int = 1,
                   serve_env: dict[str, str] | None = None,
-                  daemon_exit: int = 0) -> Iterator[Stack]:
-    """Reference peers and a daemon connected over ``transport``; all stopped at exit.
+                  daemon_exit: int = 0, peer_command: str = "peer",
+                  daemon_prefix: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """Peers (``peer_command``: the reference ``peer`` or the CUDA ``gpu-peer``) and a
+    daemon connected over ``transport``; all stopped at exit.
 
-    The daemon must exit with ``daemon_exit``.
+    The daemon must exit with ``daemon_exit``; ``daemon_prefix`` goes before its command
+    (``taskset -c 0-1`` pins it, as the DPU's cores would).
     """
     if transport == "verbs":
         net = ["--rdma-ip", RXE_IP]
@@ -76,14 +79,15 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
     try:
         for _ in range(peers):
             shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-            argv = [*CLI, "peer", "--transport", transport, *net, "--host", host, "--port", "0",
-                    "--mode", mode, "--tokens-per-s", str(tokens_per_s),
+            rate = ["--tokens-per-s", str(tokens_per_s)] if peer_command == "peer" else []
+            argv = [*CLI, peer_command, "--transport", transport, *net, "--host", host,
+                    "--port", "0", "--mode", mode, *rate,
                     *(shm if transport == "shm" else []), *peer_args]
             proc, address = start_process(argv, PEER_READY, timeout)
             started.append(PeerProcess(argv, address, proc, timeout))
         addresses = [a for p in started for a in ("--peer", p.address)]
         daemon, url = start_process(
-            [*CLI, "serve", "--transport", transport, *net, *addresses,
+            [*daemon_prefix, *CLI, "serve", "--transport", transport, *net, *addresses,
              "--port", "0", "--model-name", MODEL, *serve_args], DAEMON_READY, timeout,
             env=serve_env)
         try:

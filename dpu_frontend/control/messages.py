@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 import msgpack
 
 from dpu_frontend.errors import LayoutMismatch, PeerError
-from dpu_frontend.ring.layout import VERSION_MAJOR
+from dpu_frontend.ring.layout import VERSION_MAJOR, version_refusal
 
 MAX_FRAME = 64 * 1024
+_PEER_VERSION = re.compile(r"this peer v(\d+)")
 _LENGTH = struct.Struct(">I")
 
 
@@ -74,6 +76,7 @@ class Welcome:
     instance: int
     region_size: int
     region: dict[str, Any]  # verbs: {"addr", "rkey"}; shm: {"path"}
+    epoch: int  # the attachment: in the GPU control block and in every record
     qp: dict[str, Any] | None = None
     model: dict[str, Any] = field(default_factory=dict)
     protocol: int = VERSION_MAJOR
@@ -81,23 +84,35 @@ class Welcome:
     def to_dict(self) -> dict[str, Any]:
         return {"op": "welcome", "protocol": self.protocol, "channel": self.channel,
                 "instance": self.instance, "region_size": self.region_size,
-                "region": self.region, "qp": self.qp, "model": self.model}
+                "region": self.region, "epoch": self.epoch, "qp": self.qp, "model": self.model}
 
     @classmethod
     def from_dict(cls, m: dict[str, Any]) -> Welcome:
         if m.get("op") == "refuse":
-            raise PeerError(f"peer refused the channel: {m.get('message')}")
+            message = str(m.get("message"))
+            older = _PEER_VERSION.search(message)  # how a v1 peer words the mismatch
+            if older is not None or m.get("code") == "version":
+                raise LayoutMismatch(version_refusal(int(older.group(1)) if older else
+                                                     m.get("protocol")))
+            raise PeerError(f"peer refused the channel: {message}")
         if m.get("op") != "welcome":
             raise PeerError(f"expected welcome, got {m.get('op')!r}")
         if m.get("protocol") != VERSION_MAJOR:
-            raise LayoutMismatch(f"peer speaks ring protocol v{m.get('protocol')}, "
-                                 f"this daemon speaks v{VERSION_MAJOR}")
+            raise LayoutMismatch(version_refusal(m.get("protocol")))
         try:
-            return cls(int(m["channel"]), int(m["instance"]), int(m["region_size"]),
-                       dict(m["region"]), m.get("qp"), dict(m.get("model") or {}))
+            welcome = cls(int(m["channel"]), int(m["instance"]), int(m["region_size"]),
+                          dict(m["region"]), int(m["epoch"]), m.get("qp"),
+                          dict(m.get("model") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise PeerError(f"malformed welcome: {exc}") from exc
+        if not 1 <= welcome.epoch < 2**32:
+            raise PeerError(f"malformed welcome: epoch {welcome.epoch} outside [1, 2^32)")
+        return welcome
 
 
-def refuse(message: str) -> dict[str, Any]:
-    return {"op": "refuse", "message": message}
+def refuse(message: str, *, version: bool = False) -> dict[str, Any]:
+    """A refusal; ``version`` marks a protocol mismatch (the daemon then exits)."""
+    answer: dict[str, Any] = {"op": "refuse", "message": message}
+    if version:
+        answer |= {"code": "version", "protocol": VERSION_MAJOR}
+    return answer

@@ -7,10 +7,11 @@ heartbeat that stopped, an RDMA operation that did not complete within
 error, tear the session down and reconnect with exponential backoff. While
 it is down, ``submit`` answers 503 at once.
 
-The poll loop is the only code that touches a session's transport: it posts
-the queued request WRITEs, READs the GPU control block, READs the records it
-declares, hands each record to its request's stream, and releases consumed
-response slots.
+The poll loop is the only code that touches a session's transport: each poll
+posts, as one batch, the queued request WRITEs and the credit WRITE that
+releases consumed response slots, the READ of the GPU control block and a
+fenced READ of the records it may declare; it hands each record to its
+request's stream.
 """
 
 from __future__ import annotations
@@ -232,24 +233,18 @@ class PeerLink:
         if channel is None or transport is None:
             raise PeerError("session not connected")
         while True:
-            records: list[ResponseRecord] = []
             # The deadline covers the RDMA operations only, not our own dispatching.
             async with asyncio.timeout(cfg.peer_timeout_s):
-                writes = channel.take_writes()
-                if writes:
-                    await transport.write(writes)
-                ctrl = await transport.read(channel.ctrl_read())
+                poll = channel.begin_poll()
+                data = await transport.exchange(poll.writes, poll.reads)
                 now = time.monotonic()
-                reads = channel.on_ctrl(ctrl, now)
-                for op in reads:
+                records, more = channel.end_poll(poll, data, now)
+                for op in more:  # published past the speculative window
                     records += channel.on_records(op, await transport.read(op))
-                release = channel.consumer_update(idle=not reads)
-                if release is not None:
-                    await transport.write([release])
-            if writes or release is not None:
-                self._writes.inc(len(writes) + (release is not None))
-            self._reads.inc(1 + len(reads))
-            for request_id in channel.sent:
+            if poll.writes:
+                self._writes.inc(len(poll.writes))
+            self._reads.inc(len(poll.reads) + len(more))
+            for request_id in poll.sent:
                 sent = self._streams.get(request_id)
                 if sent is not None:
                     self.metrics.queue_time.observe(now - sent.submitted_at)
@@ -258,7 +253,7 @@ class PeerLink:
             if now - channel.heartbeat_at > cfg.peer_timeout_s:
                 raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
                                 f"{now - channel.heartbeat_at:.1f} s")
-            if reads:
+            if records:
                 # More may be waiting: poll again at once, but let the handlers run first
                 # (shm operations, and completions already in the CQ, never suspend).
                 await asyncio.sleep(0)

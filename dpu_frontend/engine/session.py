@@ -19,7 +19,13 @@ from dpu_frontend.config import PeerAddress, ServeConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import LayoutMismatch, PeerError
 from dpu_frontend.ring import DpuChannel, Layout, ReadOp
-from dpu_frontend.ring.layout import HEADER_SIZE, ChannelLayout, decode_header_size, decode_layout
+from dpu_frontend.ring.layout import (
+    CTRL_SIZE,
+    HEADER_SIZE,
+    ChannelLayout,
+    decode_header_size,
+    decode_layout,
+)
 from dpu_frontend.transport.base import Transport
 from dpu_frontend.transport.shm import ShmTransport
 from dpu_frontend.transport.verbs.resources import QpInfo, RdmaResources
@@ -29,9 +35,12 @@ log = logging.getLogger("dpu_frontend.ring")
 
 
 def staging_bytes_for(layout: ChannelLayout) -> int:
-    """The largest batch the poll loop can issue on this channel."""
+    """The largest batch the poll loop can issue on this channel: every request
+    record with its prompt and the credit WRITE, then the control block and a
+    window of the whole response ring (each READ 64-byte aligned)."""
     writes = layout.arena_size + layout.req_slots * (layout.req_slot_size + 16) + 64
-    return max(writes, layout.resp_slots * layout.resp_slot_size, HEADER_SIZE)
+    reads = CTRL_SIZE + layout.resp_slots * layout.resp_slot_size + 128
+    return max(writes + reads, HEADER_SIZE)
 
 
 class PeerSession:
@@ -94,12 +103,12 @@ class PeerSession:
         channel_layout = self.layout.channels[welcome.channel]
         if verbs is not None:
             verbs.reserve(staging_bytes_for(channel_layout))
-        self.channel = DpuChannel(channel_layout)
+        self.channel = DpuChannel(channel_layout, welcome.epoch)
         self.channel.heartbeat_at = time.monotonic()  # the stall clock starts now
         self.channel_index = welcome.channel
-        log.info("connected to peer %s channel %d over %s (instance %x, protocol v%d.%d)",
-                 self.address, welcome.channel, cfg.transport, self.layout.instance,
-                 self.layout.version_major, self.layout.version_minor)
+        log.info("connected to peer %s channel %d epoch %d over %s (instance %x, protocol v%d.%d)",
+                 self.address, welcome.channel, welcome.epoch, cfg.transport,
+                 self.layout.instance, self.layout.version_major, self.layout.version_minor)
 
     async def _read_layout(self, welcome: messages.Welcome) -> Layout:
         transport = self.transport

@@ -1,16 +1,22 @@
 """A deterministic token generator standing in for the persistent GPU kernel.
 
 Two sources: ``replay`` walks a built-in corpus (documents separated by EOS,
-so generations end with ``stop`` unless ``ignore_eos``), starting at a
-document chosen from a hash of the prompt and the seed; ``echo`` returns
-the prompt.
-Tokens come at ``tokens_per_s`` per sequence (0: as fast as the ring takes
-them), never more than ``max_tokens``, and stop at EOS or a stop token id,
-which is not emitted. Pure: the caller passes ``now``.
+so generations end with ``stop`` unless ``ignore_eos``), starting at the
+document that ``replay_start`` picks from the prompt and the seed; ``echo``
+returns the prompt. The CUDA peer's kernel implements the same sources with
+the same rules, so that both peers give byte-identical streams
+(docs/protocol.md, "The token source").
+
+It works in steps, as a GPU does: each step gives every running sequence one
+record of at most ``tokens_per_step`` tokens. Tokens come at ``tokens_per_s``
+per sequence (0: as fast as the ring takes them), never more than
+``max_tokens``, and stop at EOS or a stop token id, which is not emitted.
+Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +25,27 @@ from importlib.resources import files
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord
 
 DOCUMENT_SEPARATOR = "\n%%\n"
+
+
+def replay_start(prompt: Sequence[int], seed: int | None, documents: int) -> int:
+    """The document a replay starts at: CRC-32 (zlib's) of the prompt's u32
+    little-endian ids, the seed as a u64 (0 without one) and a byte 1/0 for
+    whether there is a seed, modulo the number of documents."""
+    data = struct.pack(f"<{len(prompt)}IQB", *prompt, seed or 0, seed is not None)
+    return zlib.crc32(data) % documents
+
+
+def corpus_stream(corpus_ids: Sequence[Sequence[int]],
+                  eos_token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The documents joined, each followed by the first EOS id: the stream a replay
+    walks through cyclically; and the index where each document starts."""
+    eos = list(eos_token_ids[:1])
+    stream: list[int] = []
+    starts: list[int] = []
+    for doc in corpus_ids:
+        starts.append(len(stream))
+        stream += list(doc) + eos
+    return stream, starts
 
 
 def default_corpus() -> list[str]:
@@ -32,7 +59,6 @@ class _Sequence:
     source: Iterator[int]
     started: float
     emitted: int = 0
-    done: bool = False
 
 
 @dataclass(slots=True)
@@ -46,24 +72,20 @@ class EngineStats:
 
 class Engine:
     def __init__(self, *, mode: str, corpus_ids: Sequence[Sequence[int]], eos_token_ids:
-                 Sequence[int], tokens_per_s: float, tokens_per_record: int) -> None:
+                 Sequence[int], tokens_per_s: float, tokens_per_step: int) -> None:
         if mode not in ("replay", "echo"):
             raise ValueError(f"mode must be replay or echo, got {mode!r}")
         if mode == "replay" and not any(corpus_ids):
             raise ValueError("replay needs a non-empty corpus")
         if tokens_per_s < 0:
             raise ValueError("tokens_per_s must be >= 0")
+        if tokens_per_step < 1:
+            raise ValueError("tokens_per_step must be >= 1")
         self.mode = mode
         self._eos = frozenset(eos_token_ids)
-        # Documents joined by EOS: the stream a replay walks through, cyclically.
-        eos = eos_token_ids[0] if eos_token_ids else None
-        self._stream: list[int] = []
-        self._starts: list[int] = []
-        for doc in corpus_ids:
-            self._starts.append(len(self._stream))
-            self._stream += list(doc) + ([eos] if eos is not None else [])
+        self._stream, self._starts = corpus_stream(corpus_ids, eos_token_ids)
         self.tokens_per_s = tokens_per_s
-        self.per_record = tokens_per_record
+        self.per_step = tokens_per_step
         self._active: dict[int, _Sequence] = {}
         self.stats = EngineStats()
 
@@ -75,6 +97,9 @@ class Engine:
     def active_ids(self) -> list[int]:
         return list(self._active)
 
+    def has(self, request_id: int) -> bool:
+        return request_id in self._active
+
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
         source = self._source(prompt, record.params.seed)
         self._active[record.request_id] = _Sequence(record, source, now)
@@ -84,7 +109,7 @@ class Engine:
         if self.mode == "echo":
             return iter(prompt)
         # The seed picks the document too, so that n > 1 choices with seeds differ.
-        start = self._starts[zlib.crc32(repr((prompt, seed)).encode()) % len(self._starts)]
+        start = self._starts[replay_start(prompt, seed, len(self._starts))]
         stream = self._stream
 
         def walk() -> Iterator[int]:
@@ -109,35 +134,48 @@ class Engine:
             self.cancel(request_id)
 
     def step(self, now: float, budget: int) -> list[ResponseRecord]:
-        """Records for the tokens due by ``now``, at most ``budget`` records in all."""
+        """Records for the tokens due by ``now``, at most ``budget`` records in all.
+
+        Runs engine steps (one record per running sequence each) until nothing more
+        is due or the budget is spent; a sequence the budget did not reach waits.
+        """
         out: list[ResponseRecord] = []
-        for request_id, seq in list(self._active.items()):
-            if len(out) >= budget:
+        while len(out) < budget:
+            produced = 0
+            for request_id, seq in list(self._active.items()):
+                if len(out) >= budget:
+                    break
+                record = self._advance(seq, now)
+                if record is None:
+                    continue
+                out.append(record)
+                produced += 1
+                if record.final:
+                    del self._active[request_id]
+                    self.stats.completed += 1
+            if not produced:
                 break
-            out += self._advance(seq, now, budget - len(out))
-            if seq.done:
-                del self._active[request_id]
-                self.stats.completed += 1
         return out
 
-    def _advance(self, seq: _Sequence, now: float, budget: int) -> list[ResponseRecord]:
+    def _advance(self, seq: _Sequence, now: float) -> ResponseRecord | None:
+        """One step of one sequence: up to ``tokens_per_step`` tokens, or its end."""
         params = seq.record.params
+        limit = self.per_step
         if self.tokens_per_s:
             due = int((now - seq.started) * self.tokens_per_s) + 1  # the first one at once
-        else:
-            due = seq.emitted + self.per_record * budget
-        due = min(due, params.max_tokens, seq.emitted + self.per_record * budget)
-        stops = self._eos.union(params.stop_token_ids)
+            limit = min(limit, due - seq.emitted)
+            if limit <= 0:
+                return None
         tokens: list[int] = []
         finish = FinishReason.NONE
-        while seq.emitted + len(tokens) < due:
+        while len(tokens) < limit and seq.emitted + len(tokens) < params.max_tokens:
             token = next(seq.source, None)
             if token is None:  # echo ran out of prompt
                 finish = FinishReason.STOP
                 break
-            if token in stops:
-                if params.ignore_eos and token in self._eos:
-                    continue
+            if token in self._eos and params.ignore_eos:
+                continue
+            if token in self._eos or token in params.stop_token_ids:
                 finish = FinishReason.STOP
                 break
             tokens.append(token)
@@ -145,13 +183,4 @@ class Engine:
         self.stats.tokens += len(tokens)
         if finish == FinishReason.NONE and seq.emitted >= params.max_tokens:
             finish = FinishReason.LENGTH
-        seq.done = finish != FinishReason.NONE
-        chunks = [tuple(tokens[i:i + self.per_record])
-                  for i in range(0, len(tokens), self.per_record)]
-        if seq.done and not chunks:
-            chunks = [()]
-        return [
-            ResponseRecord(seq.record.request_id, chunk,
-                           finish if i == len(chunks) - 1 else FinishReason.NONE)
-            for i, chunk in enumerate(chunks)
-        ]
+        return ResponseRecord(seq.record.request_id, tuple(tokens), finish)

@@ -1,10 +1,18 @@
-"""The reference GPU peer: region, layout record, control plane, engine loop.
+"""A GPU peer's control plane: the region, the layout record, channels granted to daemons.
 
-It registers its region once (an anonymous mapping under verbs, a
-shared-memory file under shm), publishes the layout record at offset 0, and
-from then on only loads and stores in that memory: the daemon moves every
-byte with RDMA. The control plane (``dpu_frontend.control``) hands out one
-channel per daemon worker and resets it when that worker goes away.
+The peer registers its region once (an anonymous mapping or GPU memory under
+verbs, a shared-memory file under shm), publishes the layout record at
+offset 0, and hands out one channel per daemon worker. It never touches a
+ring itself: a ``PeerKernel`` (the reference engine loop, or the CUDA
+kernel) serves them, and the control plane attaches and detaches channels
+through the kernel's mailbox (``ring/mailbox.py``), the way a launcher drives
+a persistent GPU kernel:
+
+* attach: ATTACH with the channel's next epoch; the kernel resets the channel
+  between two steps and acknowledges; then the QP is brought up and the
+  daemon is welcomed with the epoch;
+* detach (the control connection closed): the QP is destroyed first, so no
+  late WRITE of the old session can land, then DETACH.
 """
 
 from __future__ import annotations
@@ -12,83 +20,80 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
-import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.control import messages
-from dpu_frontend.errors import DpuFrontendError, PeerError
+from dpu_frontend.errors import DpuFrontendError, LayoutMismatch, PeerError
 from dpu_frontend.lifecycle import stop_on_signals
-from dpu_frontend.peer.engine import Engine, default_corpus
-from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
+from dpu_frontend.peer.engine import default_corpus
+from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.peer.reference import ReferenceKernel
+from dpu_frontend.ring import Layout
+from dpu_frontend.ring.layout import version_refusal
+from dpu_frontend.ring.mailbox import Ack, ChannelState, Command, HostMailbox, MailboxError
 from dpu_frontend.sdnotify import Notifier
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
-from dpu_frontend.transport.shm import map_file
 from dpu_frontend.transport.verbs.resources import QpInfo, RdmaResources
-from dpu_frontend.transport.verbs.transport import pin
 
 log = logging.getLogger("dpu_frontend.peer")
+
+#: How long a mailbox command may wait for the kernel's acknowledgement. A
+#: kernel runs commands between two steps, so this bounds the longest step.
+MAILBOX_TIMEOUT_S = 10.0
+MAILBOX_POLL_S = 0.0002
 
 
 @dataclass(slots=True)
 class _Channel:
     index: int
-    ring: GpuChannel
-    engine: Engine
-    attached: bool = False
+    mailbox: HostMailbox
+    granted: bool = False  # a control session holds it (set before any await)
+    attached: bool = False  # the kernel serves it
+    epoch: int = 0
     attachments: int = 0
     qp: Any = None
-    outbox: list[ResponseRecord] = field(default_factory=list)
 
 
 class PeerServer:
-    def __init__(self, config: PeerConfig) -> None:
+    def __init__(self, config: PeerConfig, kernel: PeerKernel, model: dict[str, Any]) -> None:
         self.config = config
+        self.kernel = kernel
+        self.model = model
         self.layout: Layout | None = None
-        self.vocab: Vocabulary | None = None
         self.port = config.port
-        self._map: mmap.mmap | None = None
-        self._view: memoryview | None = None
-        self._anchor: Any = None
-        self._address = 0
+        self._region = RegionAddress()
         self._resources: RdmaResources | None = None
         self._mr: Any = None
+        self._remote_address = 0
         self._channels: list[_Channel] = []
         self._server: asyncio.Server | None = None
-        self._engine_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         cfg = self.config
-        self.vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
-        corpus = [self.vocab.encode(doc) for doc in default_corpus()]
         self.layout = cfg.geometry.plan(instance=secrets.randbits(63) | 1)
-        size = self.layout.region_size
-        if cfg.transport == "shm":
-            self._map = map_file(str(cfg.shm_path), size, create=True)
-        else:
-            self._map = mmap.mmap(-1, size)
+        self._region = self.kernel.open(self.layout)
+        if cfg.transport == "verbs":
             self._resources = RdmaResources(cfg.rdma.device, cfg.rdma.ip)
             self._resources.open()
-            self._address, self._anchor = pin(self._map)
-            self._mr = self._resources.register(self._address, size, remote=True)
-        mem = self._view = memoryview(self._map)
-        mem[:self.layout.header_size] = self.layout.encode()
-        for i, ch in enumerate(self.layout.channels):
-            engine = Engine(mode=cfg.mode, corpus_ids=corpus, eos_token_ids=self.vocab.eos_token_ids,
-                            tokens_per_s=cfg.tokens_per_s, tokens_per_record=ch.tokens_per_response)
-            self._channels.append(_Channel(i, GpuChannel(mem, ch), engine))
+            self._mr, self._remote_address = self.kernel.register(
+                self._resources, self._region, self.layout.region_size)
+        # Epochs start at a random point, so that a restarted peer never reuses the
+        # epoch of its previous life (whose records a daemon could still be holding).
+        self._channels = [_Channel(i, HostMailbox(self.kernel.mailbox, i),
+                                   epoch=secrets.randbelow(1 << 30))
+                          for i in range(len(self.layout.channels))]
+        await self.kernel.start()
         self._server = await asyncio.start_server(self._session, cfg.host, cfg.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._engine_task = asyncio.create_task(self._run_engine(), name="peer-engine")
-        log.info("peer ready on %s:%d transport=%s channels=%d region=%d bytes mode=%s",
-                 cfg.host, self.port, cfg.transport, len(self._channels), size, cfg.mode)
+        log.info("peer ready on %s:%d transport=%s channels=%d region=%d bytes",
+                 cfg.host, self.port, cfg.transport, len(self._channels), self.layout.region_size)
 
     # -- control plane ------------------------------------------------------
 
@@ -104,11 +109,15 @@ class PeerServer:
                 return
             hello = messages.Hello.from_dict(first)
             channel = self._grant(hello)
-            welcome = self._attach(channel, hello)
+            welcome = await self._attach(channel, hello)
             await messages.send(writer, welcome.to_dict())
-            log.info("channel %d attached to %s (%s)", channel.index,
+            log.info("channel %d attached in epoch %d to %s (%s)", channel.index, channel.epoch,
                      writer.get_extra_info("peername"), hello.client)
             await reader.read()  # the session lives until the daemon closes it
+        except LayoutMismatch as exc:
+            log.warning("control session refused: %s", exc)
+            with contextlib.suppress(ConnectionError):
+                await messages.send(writer, messages.refuse(str(exc), version=True))
         except DpuFrontendError as exc:
             log.warning("control session refused: %s", exc)
             with contextlib.suppress(ConnectionError):
@@ -116,19 +125,21 @@ class PeerServer:
         except ConnectionError:
             pass
         finally:
-            if channel is not None and channel.attached:
-                self._detach(channel)
+            if channel is not None:
+                await self._detach(channel)
             writer.close()
             if task is not None:
                 self._sessions.discard(task)
 
     def _grant(self, hello: messages.Hello) -> _Channel:
         if hello.protocol != self.layout_version:
-            raise PeerError(f"daemon speaks ring protocol v{hello.protocol}, "
-                            f"this peer v{self.layout_version}")
+            raise LayoutMismatch(version_refusal(hello.protocol))
         if hello.transport != self.config.transport:
             raise PeerError(f"this peer serves over {self.config.transport}, not {hello.transport}")
-        free = [c for c in self._channels if not c.attached]
+        failure = self.kernel.failure()
+        if failure is not None:
+            raise PeerError(failure)
+        free = [c for c in self._channels if not c.granted]
         if hello.channel >= 0:
             free = [c for c in free if c.index == hello.channel]
             if hello.channel >= len(self._channels):
@@ -136,18 +147,23 @@ class PeerServer:
                                 f"(this peer has {len(self._channels)})")
         if not free:
             raise PeerError("no free channel: every ring pair is attached to a daemon worker")
+        free[0].granted = True
         return free[0]
 
-    def _attach(self, channel: _Channel, hello: messages.Hello) -> messages.Welcome:
+    async def _attach(self, channel: _Channel, hello: messages.Hello) -> messages.Welcome:
         layout = self.layout
         if layout is None:
             raise PeerError("peer not started")
-        channel.ring.reset()
-        channel.engine.cancel_all()
-        channel.outbox = []
+        epoch = channel.epoch + 1
+        ack = await self._command(channel, Command.ATTACH, epoch)
+        if ack.error != MailboxError.OK or ack.state != ChannelState.ATTACHED:
+            raise PeerError(f"the kernel refused to attach channel {channel.index} in epoch "
+                            f"{epoch}: {ack.error.name}")
+        channel.epoch, channel.attached = epoch, True
+        channel.attachments += 1
         qp_info: dict[str, Any] | None = None
         if self.config.transport == "shm":
-            region: dict[str, Any] = {"path": str(self.config.shm_path)}
+            region: dict[str, Any] = {"path": self._region.path}
         else:
             resources = self._resources
             if resources is None or hello.qp is None:
@@ -161,70 +177,52 @@ class PeerServer:
                 raise
             channel.qp = qp
             qp_info = local.to_dict()
-            region = {"addr": self._address, "rkey": self._mr.rkey}
-        channel.attached = True
-        channel.attachments += 1
-        vocab = self.vocab
+            region = {"addr": self._remote_address, "rkey": self._mr.rkey}
         return messages.Welcome(
             channel=channel.index, instance=layout.instance, region_size=layout.region_size,
-            region=region, qp=qp_info,
-            model={"eos_token_ids": list(vocab.eos_token_ids) if vocab else [],
-                   "peer": f"dpu-frontend-peer {__version__}", "mode": self.config.mode},
+            region=region, epoch=epoch, qp=qp_info, model=self.model,
         )
 
-    def _detach(self, channel: _Channel) -> None:
-        channel.attached = False
-        channel.engine.cancel_all()
-        channel.outbox = []
+    async def _detach(self, channel: _Channel) -> None:
+        # The QP goes first: once it is destroyed no WRITE of this session can land,
+        # so the next ATTACH's reset is final.
         if channel.qp is not None and self._resources is not None:
             self._resources.destroy_qp(channel.qp)
         channel.qp = None
-        log.info("channel %d detached", channel.index)
+        try:
+            if channel.attached:
+                await self._command(channel, Command.DETACH)
+                log.info("channel %d detached (epoch %d)", channel.index, channel.epoch)
+        except PeerError as exc:
+            log.error("channel %d: %s", channel.index, exc)
+        finally:
+            channel.attached = False
+            channel.granted = False
+
+    async def _command(self, channel: _Channel, command: Command, epoch: int = 0) -> Ack:
+        seq = channel.mailbox.post(command, epoch)
+        deadline = time.monotonic() + MAILBOX_TIMEOUT_S
+        while (ack := channel.mailbox.acked(seq)) is None:
+            failure = self.kernel.failure()
+            if failure is not None:
+                raise PeerError(failure)
+            if time.monotonic() > deadline:
+                raise PeerError(f"the kernel did not run {command.name} on channel "
+                                f"{channel.index} within {MAILBOX_TIMEOUT_S} s")
+            await asyncio.sleep(MAILBOX_POLL_S)
+        return ack
 
     @property
     def layout_version(self) -> int:
         return self.layout.version_major if self.layout else 0
 
-    # -- the "GPU kernel" ---------------------------------------------------
-
-    async def _run_engine(self) -> None:
-        tick = self.config.tick_s
-        while True:
-            now = time.monotonic()
-            for channel in self._channels:
-                if channel.attached:
-                    try:
-                        self._step(channel, now)
-                    except DpuFrontendError as exc:
-                        log.error("channel %d: %s; detaching", channel.index, exc)
-                        self._detach(channel)
-            await asyncio.sleep(tick)
-
-    def _step(self, channel: _Channel, now: float) -> None:
-        ring, engine = channel.ring, channel.engine
-        outbox = channel.outbox
-        for record, prompt in ring.poll_requests():
-            if isinstance(record, CancelRecord):
-                final = engine.cancel(record.request_id)
-                if final is not None:
-                    outbox.append(final)
-            else:
-                engine.admit(record, prompt, now)
-        # Generate only what the response ring can take soon: the outbox is bounded.
-        budget = max(0, ring.layout.resp_slots - len(outbox))
-        outbox += engine.step(now, budget)
-        sent = ring.publish(outbox)
-        del outbox[:sent]
-        ring.beat()
-
     def stats(self) -> list[dict[str, Any]]:
         """Per-channel counters (the ``stats`` control message; tests and operators)."""
+        layout = self.layout
         return [{"channel": c.index, "attached": c.attached, "attachments": c.attachments,
-                 "active": c.engine.active_ids, "admitted": c.engine.stats.admitted,
-                 "completed": c.engine.stats.completed, "cancelled": c.engine.stats.cancelled,
-                 "cancelled_ids": c.engine.stats.cancelled_ids[-64:],
-                 "tokens": c.engine.stats.tokens, "request_records": c.ring.consumed,
-                 "request_slots": c.ring.layout.req_slots}
+                 "epoch": c.epoch,
+                 "request_slots": layout.channels[c.index].req_slots if layout else 0,
+                 **c.mailbox.counters(), **self.kernel.channel_stats(c.index)}
                 for c in self._channels]
 
     async def close(self) -> None:
@@ -234,30 +232,38 @@ class PeerServer:
         for task in sessions:
             task.cancel()
         await asyncio.gather(*sessions, return_exceptions=True)  # detach before teardown
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._engine_task
         if self._server is not None:
             await self._server.wait_closed()
+        await self.kernel.close()
         if self._resources is not None:
             self._resources.close()
-        self._anchor = None
-        for channel in self._channels:
-            channel.ring.release()
-        self._channels.clear()
-        if self._view is not None:
-            self._view.release()
-        if self._map is not None:
-            self._map.close()
-        if self.config.transport == "shm":
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.shm_path)
 
 
-async def run_peer(config: PeerConfig) -> int:
-    """``dpu-frontend peer``: serve until SIGTERM/SIGINT."""
-    server = PeerServer(config)
+@dataclass(frozen=True, slots=True)
+class TokenSource:
+    """What both peers generate from: the replay corpus tokenized with the serving
+    tokenizer, its EOS ids, and the ``model`` part of the welcome."""
+
+    corpus: list[list[int]]
+    eos_token_ids: tuple[int, ...]
+    model: dict[str, Any]
+
+    @classmethod
+    def load(cls, config: PeerConfig, peer: str) -> TokenSource:
+        vocab = Vocabulary.load(config.tokenizer or default_tokenizer_dir())
+        return cls([vocab.encode(doc) for doc in default_corpus()], vocab.eos_token_ids,
+                   {"eos_token_ids": list(vocab.eos_token_ids),
+                    "peer": f"{peer} {__version__}", "mode": config.mode})
+
+
+def reference_model(config: PeerConfig) -> tuple[ReferenceKernel, dict[str, Any]]:
+    source = TokenSource.load(config, "dpu-frontend-peer")
+    return ReferenceKernel(config, source.corpus, source.eos_token_ids), source.model
+
+
+async def serve_peer(server: PeerServer) -> int:
+    """Serve until SIGTERM/SIGINT; print the ready line and tell systemd."""
+    config = server.config
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
     try:
@@ -269,3 +275,9 @@ async def run_peer(config: PeerConfig) -> int:
     finally:
         await server.close()
     return 0
+
+
+async def run_peer(config: PeerConfig) -> int:
+    """``dpu-frontend peer``: the reference peer."""
+    kernel, model = reference_model(config)
+    return await serve_peer(PeerServer(config, kernel, model))

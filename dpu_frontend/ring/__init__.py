@@ -1,6 +1,6 @@
-"""The ring protocol v1, sans-I/O: layout record, records, both channel ends."""
+"""The ring protocol v2, sans-I/O: layout record, records, both channel ends, the mailbox."""
 
-from dpu_frontend.ring.dpu import DpuChannel, ReadOp, WriteOp
+from dpu_frontend.ring.dpu import DpuChannel, Poll, ReadOp, WriteOp
 from dpu_frontend.ring.gpu import GpuChannel
 from dpu_frontend.ring.layout import ChannelLayout, Geometry, Layout, decode_layout
 from dpu_frontend.ring.records import (
@@ -20,6 +20,7 @@ __all__ = [
     "Geometry",
     "GpuChannel",
     "Layout",
+    "Poll",
     "ReadOp",
     "ResponseRecord",
     "SamplingParams",

@@ -5,10 +5,14 @@ operations to perform (``WriteOp``/``ReadOp``), performs them in order on
 one RC QP (or the shm twin), and hands the bytes it read back. The same
 object therefore runs over verbs, over shm, and in the in-memory tests.
 
-One poll is two READs: the GPU control block first, then the records it
-declares published. Trusting records by an index fetched in the *same* READ
-would be unsound: one DMA READ gives no ordering between its bytes and the
-GPU's concurrent stores, so it could see the new index beside a stale record.
+One poll is one batch posted together: the pending WRITEs (request records,
+the credit update), a READ of the GPU control block, and a *fenced* READ of a
+window of response records. The fence makes the NIC start the window READ
+only once the control READ has completed, so every record below the index
+that READ returned was published before the window was read; records past
+the window are fetched by exact READs once the index is known. Trusting
+records by an index fetched in the *same* READ would be unsound: one DMA READ
+gives no ordering between its bytes and the GPU's concurrent stores.
 docs/protocol.md, "Memory ordering", has the full argument.
 """
 
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpu_frontend.errors import PromptTooLong, ProtocolError
-from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL, ChannelLayout
+from dpu_frontend.ring.layout import ALIGN, DPU_CTRL, GPU_CTRL, ChannelLayout, align
 from dpu_frontend.ring.records import (
     COMMIT,
     REQUEST_BODY_OFFSET,
@@ -57,6 +61,21 @@ class ReadOp:
     count: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """One poll, posted as one batch: ``writes`` in order, then ``reads`` in order, each
+    READ after the first fenced (it starts only once the one before completed)."""
+
+    writes: list[WriteOp]
+    reads: list[ReadOp]  # the control block, then (maybe) a speculative record window
+    sent: list[int]  # generate requests whose records are among the writes
+
+
+#: Records the first speculative window READ covers; it grows to the largest
+#: batch seen (a decode step's worth) and shrinks when polls find less.
+MIN_WINDOW = 16
+
+
 @dataclass(slots=True)
 class _Pending:
     record: RequestRecord
@@ -74,10 +93,13 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 class DpuChannel:
     """Sequence numbers, credits, the prompt arena and response parsing for one channel."""
 
-    def __init__(self, layout: ChannelLayout) -> None:
+    def __init__(self, layout: ChannelLayout, epoch: int) -> None:
         self.layout = layout
-        self._pending: deque[_Pending] = deque()
+        self.epoch = epoch  # the attachment; every record must carry it
+        self._pending: deque[_Pending] = deque()  # generates, in submission order
+        self._cancels: deque[int] = deque()  # cancels jump the queue (see take_writes)
         self._pending_tokens = 0  # prompt tokens in _pending
+        self._open: set[int] = set()  # generates written and not yet finished
         self._next_seq = 1  # the next request record's sequence number
         self._req_consumed = 0  # request records the GPU has taken (from its ctrl block)
         self._arena_head = 0  # monotonic byte counters; offset = counter % arena_size
@@ -86,22 +108,22 @@ class DpuChannel:
         self._resp_consumed = 0  # response records parsed
         self._resp_published = 0  # resp_consumed value last written to the DPU ctrl block
         self._resp_produced = 0
+        self._window = MIN_WINDOW
         self.heartbeat = 0
         self.heartbeat_at = 0.0
-        self.sent: list[int] = []  # generate requests the last take_writes() sent
 
     # -- requests ---------------------------------------------------------
 
     def submit(self, request_id: int, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue a generate request; ``take_writes`` sends it when credits allow."""
-        data = pack_tokens(prompt)
-        if len(data) > self.layout.arena_size:
+        limit = self.layout.max_prompt_tokens
+        if len(prompt) > limit:
             raise PromptTooLong(
-                f"prompt of {len(prompt)} tokens exceeds the peer's prompt arena "
-                f"({self.layout.arena_tokens} tokens)", param="prompt",
-                code="context_length_exceeded",
+                f"prompt of {len(prompt)} tokens exceeds what the GPU peer takes "
+                f"({limit} tokens)", param="prompt", code="context_length_exceeded",
             )
-        self._pending.append(_Pending(GenerateRecord(request_id, 0, len(prompt), params), data))
+        self._pending.append(_Pending(GenerateRecord(request_id, 0, len(prompt), params),
+                                      pack_tokens(prompt)))
         self._pending_tokens += len(prompt)
 
     def cancel(self, request_id: int) -> bool:
@@ -111,49 +133,60 @@ class DpuChannel:
                 self._pending.remove(item)
                 self._pending_tokens -= item.record.prompt_len
                 return False
-        self._pending.append(_Pending(CancelRecord(request_id), b""))
+        self._cancels.append(request_id)
         return True
 
     @property
     def queued(self) -> int:
-        """Records waiting for a request slot or arena space."""
-        return len(self._pending)
+        """Records waiting for a request slot, arena space or the sequence window."""
+        return len(self._pending) + len(self._cancels)
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens of the records waiting."""
         return self._pending_tokens
 
-    def take_writes(self) -> list[WriteOp]:
-        """The WRITEs for every queued record that fits now, in the order to post them.
+    def take_writes(self) -> tuple[list[WriteOp], list[int]]:
+        """The WRITEs for every queued record that fits now, in the order to post them,
+        and the generate requests they send.
 
         Per record: the prompt into the arena, the body, then the commit word.
         RC executes WRITEs of one QP in order, so the commit lands last.
+        Cancels go first and need only a request slot: the GPU side drains every
+        record into its own store at once (the ``max_sequences`` window below
+        guarantees it has room), so a cancel never waits behind generates.
         """
         ops: list[WriteOp] = []
+        sent: list[int] = []
         layout = self.layout
-        self.sent = []
-        while self._pending:
-            if self._next_seq - 1 - self._req_consumed >= layout.req_slots:
-                break  # no request slot: wait for the GPU to consume
+        while self._cancels and self._slot_free():
+            self._write_record(ops, CancelRecord(self._cancels.popleft()))
+        while self._pending and self._slot_free() and len(self._open) < layout.max_sequences:
             item = self._pending[0]
             record = item.record
-            if isinstance(record, GenerateRecord):
-                placed = self._place_prompt(len(item.prompt))
-                if placed is None:
-                    break  # the arena is full: FIFO order keeps arena reclamation trivial
-                record = GenerateRecord(record.request_id, placed, record.prompt_len, record.params)
-                if item.prompt:
-                    ops.append(WriteOp(layout.arena_offset + placed, item.prompt))
-            slot = layout.req_slot_offset(self._next_seq)
-            ops.append(WriteOp(slot + REQUEST_BODY_OFFSET, encode_request_body(record)))
-            ops.append(WriteOp(slot, COMMIT.pack(self._next_seq)))
-            if isinstance(record, GenerateRecord):
-                self.sent.append(record.request_id)
-            self._next_seq += 1
+            if not isinstance(record, GenerateRecord):
+                raise TypeError("only generates wait in the pending queue")
+            placed = self._place_prompt(len(item.prompt))
+            if placed is None:
+                break  # the arena is full: FIFO order keeps arena reclamation trivial
+            record = GenerateRecord(record.request_id, placed, record.prompt_len, record.params)
+            if item.prompt:
+                ops.append(WriteOp(layout.arena_offset + placed, item.prompt))
+            self._write_record(ops, record)
+            self._open.add(record.request_id)
+            sent.append(record.request_id)
             self._pending.popleft()
             self._pending_tokens -= len(item.prompt) // 4
-        return ops
+        return ops, sent
+
+    def _slot_free(self) -> bool:
+        return self._next_seq - 1 - self._req_consumed < self.layout.req_slots
+
+    def _write_record(self, ops: list[WriteOp], record: RequestRecord) -> None:
+        slot = self.layout.req_slot_offset(self._next_seq)
+        ops.append(WriteOp(slot + REQUEST_BODY_OFFSET, encode_request_body(record, self.epoch)))
+        ops.append(WriteOp(slot, COMMIT.pack(self._next_seq)))
+        self._next_seq += 1
 
     def _place_prompt(self, nbytes: int) -> int | None:
         size = self.layout.arena_size
@@ -164,7 +197,7 @@ class DpuChannel:
             offset = 0
         if self._arena_tail == self._arena_head:
             self._arena_tail = start  # nothing is live: the skipped tail is free too
-        end = start + nbytes
+        end = start + align(nbytes, ALIGN)  # the next prompt starts 128-byte aligned
         if end - self._arena_tail > size:
             return None
         self._arena_head = end
@@ -173,13 +206,59 @@ class DpuChannel:
 
     # -- responses --------------------------------------------------------
 
-    def ctrl_read(self) -> ReadOp:
-        return ReadOp(self.layout.gpu_ctrl_offset, GPU_CTRL.size)
+    def begin_poll(self) -> Poll:
+        """The batch of one poll: pending request WRITEs, the credit WRITE if slots were
+        consumed since the last one, the control READ and a speculative window READ."""
+        writes, sent = self.take_writes()
+        if self._resp_consumed != self._resp_published:
+            # Unsignalled and in the same batch: releasing slots costs no round trip.
+            self._resp_published = self._resp_consumed
+            writes.append(WriteOp(self.layout.dpu_ctrl_offset, DPU_CTRL.pack(self._resp_consumed)))
+        reads = [ReadOp(self.layout.gpu_ctrl_offset, GPU_CTRL.size)]
+        window = self._record_read(self._resp_consumed, self._window)
+        if window is not None:
+            reads.append(window)
+        return Poll(writes, reads, sent)
 
-    def on_ctrl(self, data: bytes | memoryview, now: float) -> list[ReadOp]:
-        """Take the GPU control block; return the READs for newly published records."""
-        produced, req_consumed, heartbeat = GPU_CTRL.unpack_from(data, 0)
+    def _record_read(self, position: int, count: int) -> ReadOp | None:
+        """A READ of up to ``count`` records from ``position``, stopping at the ring's end."""
         layout = self.layout
+        index = position % layout.resp_slots
+        count = min(count, layout.resp_slots - index)
+        if count <= 0:
+            return None
+        return ReadOp(layout.resp_slot_offset(position), count * layout.resp_slot_size,
+                      position, count)
+
+    def end_poll(self, poll: Poll, data: Sequence[bytes | memoryview],
+                 now: float) -> tuple[list[ResponseRecord], list[ReadOp]]:
+        """Take what the poll's READs returned: the records published within the window,
+        and the exact READs for records published past it (hand their bytes to
+        ``on_records`` in order)."""
+        self.on_ctrl(data[0], now)
+        records: list[ResponseRecord] = []
+        before = self._resp_consumed
+        if len(poll.reads) > 1:
+            window = poll.reads[1]
+            count = min(window.count, self._resp_produced - self._resp_consumed)
+            if count > 0:
+                records = self._parse(window.position, count, data[1])
+        published = self._resp_produced - before
+        if published > self._window:
+            self._window = min(self.layout.resp_slots, 1 << (published - 1).bit_length())
+        elif published * 4 < self._window:
+            self._window = max(MIN_WINDOW, self._window // 2)
+        return records, self._follow_up_reads()
+
+    def on_ctrl(self, data: bytes | memoryview, now: float) -> None:
+        """Take the GPU control block (the first READ of a poll) and check it."""
+        produced, req_consumed, heartbeat, epoch = GPU_CTRL.unpack_from(data, 0)
+        layout = self.layout
+        if epoch != self.epoch:
+            raise ProtocolError(
+                f"the channel is in epoch {epoch}, this session attached in epoch "
+                f"{self.epoch}: it was reset under us"
+            )
         if not self._req_consumed <= req_consumed < self._next_seq:
             raise ProtocolError(
                 f"peer claims {req_consumed} request records consumed; "
@@ -196,44 +275,45 @@ class DpuChannel:
         if heartbeat != self.heartbeat:
             self.heartbeat, self.heartbeat_at = heartbeat, now
         self._resp_produced = produced
+
+    def _follow_up_reads(self) -> list[ReadOp]:
         ops: list[ReadOp] = []
         position = self._resp_consumed
-        end = produced
-        while position < end:
-            index = position % layout.resp_slots
-            count = min(end - position, layout.resp_slots - index)  # stop at the ring's end
-            ops.append(ReadOp(layout.resp_slot_offset(position),
-                              count * layout.resp_slot_size, position, count))
-            position += count
+        while position < self._resp_produced:
+            op = self._record_read(position, self._resp_produced - position)
+            if op is None:
+                break
+            ops.append(op)
+            position += op.count
         return ops
 
     def on_records(self, op: ReadOp, data: bytes | memoryview) -> list[ResponseRecord]:
-        """Parse the bytes of a record READ returned by ``on_ctrl``; call in op order."""
-        if op.position != self._resp_consumed:
-            raise ValueError(f"records at {op.position} handed over out of order")
+        """Parse the bytes of a record READ from ``end_poll``; call in op order."""
+        return self._parse(op.position, op.count, data)
+
+    def _parse(self, position: int, count: int, data: bytes | memoryview) -> list[ResponseRecord]:
+        if position != self._resp_consumed:
+            raise ValueError(f"records at {position} handed over out of order")
         size = self.layout.resp_slot_size
         records = [
-            decode_response(data, i * size, op.position + i + 1, size) for i in range(op.count)
+            decode_response(data, i * size, position + i + 1, size, self.epoch)
+            for i in range(count)
         ]
-        self._resp_consumed += op.count
+        self._resp_consumed += count
+        for record in records:
+            if record.finish:  # the last record of its request (a plain int test: hot path)
+                self._open.discard(record.request_id)
         return records
-
-    def consumer_update(self, *, idle: bool) -> WriteOp | None:
-        """The WRITE that releases consumed response slots, batched.
-
-        Sent once half the ring is consumed, or as soon as a poll found nothing
-        new (so a GPU that filled the ring is never left waiting).
-        """
-        unreleased = self._resp_consumed - self._resp_published
-        if unreleased and (idle or unreleased * 2 >= self.layout.resp_slots):
-            self._resp_published = self._resp_consumed
-            return WriteOp(self.layout.dpu_ctrl_offset, DPU_CTRL.pack(self._resp_consumed))
-        return None
 
     @property
     def in_ring(self) -> int:
         """Request records written and not yet consumed by the GPU."""
         return self._next_seq - 1 - self._req_consumed
+
+    @property
+    def open_sequences(self) -> int:
+        """Generates sent and not yet finished (at most the layout's ``max_sequences``)."""
+        return len(self._open)
 
     @property
     def unread(self) -> int:

@@ -1,4 +1,4 @@
-"""The layout record: what the GPU side publishes at offset 0 of its region.
+"""The layout record (protocol v2): what the GPU side publishes at offset 0 of its region.
 
 The daemon reads it once per connection (an RDMA READ, or a copy over shm)
 and refuses to run on anything it does not understand: a wrong magic, another
@@ -9,36 +9,54 @@ section "Layout record", is the byte-by-byte specification.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 from dpu_frontend.errors import LayoutMismatch
+from dpu_frontend.ring.cstruct import CStruct
 
 MAGIC = b"DPUFRING"
-VERSION_MAJOR = 1
+VERSION_MAJOR = 2
 VERSION_MINOR = 0
 
-#: Everything in the region starts on a 64-byte boundary: one cache line on
-#: the Arm cores and the GPU's L2 sector granularity is 32, so no two owners
-#: ever share a line.
-ALIGN = 64
+#: Every block, ring and prompt span starts on a 128-byte boundary: the GPU's
+#: L2 line and a full PCIe/NIC cache line on the Arm cores, so no two owners
+#: ever share a line and a record is never split across two.
+ALIGN = 128
 
-HEADER = struct.Struct("<8sHHIQQII")
-HEADER_SIZE = 128
-CHANNEL = struct.Struct("<QIIQQQIIQQ")
-CHANNEL_SIZE = 64
+HEADER_STRUCT = CStruct("dpuf_layout_header", (
+    ("magic", "8s"), ("version_major", "H"), ("version_minor", "H"), ("header_size", "I"),
+    ("region_size", "Q"), ("instance", "Q"), ("channel_count", "I"),
+    ("channel_desc_size", "I"),
+), 128)
+CHANNEL_STRUCT = CStruct("dpuf_channel_desc", (
+    ("req_ring_offset", "Q"), ("req_slots", "I"), ("req_slot_size", "I"),
+    ("arena_offset", "Q"), ("arena_size", "Q"), ("resp_ring_offset", "Q"),
+    ("resp_slots", "I"), ("resp_slot_size", "I"), ("gpu_ctrl_offset", "Q"),
+    ("dpu_ctrl_offset", "Q"), ("max_sequences", "I"), ("max_prompt_tokens", "I"),
+), 128)
+HEADER = HEADER_STRUCT.codec
+HEADER_SIZE = HEADER_STRUCT.size
+CHANNEL = CHANNEL_STRUCT.codec
+CHANNEL_SIZE = CHANNEL_STRUCT.size
 
 #: GPU-owned control block of a channel (the DPU only reads it).
-GPU_CTRL = struct.Struct("<QQQ")  # resp_produced, req_consumed, heartbeat
+GPU_CTRL_STRUCT = CStruct("dpuf_gpu_ctrl", (
+    ("resp_produced", "Q"), ("req_consumed", "Q"), ("heartbeat", "Q"), ("epoch", "Q"),
+), 128)
 #: DPU-owned control block of a channel (the GPU only reads it).
-DPU_CTRL = struct.Struct("<Q")  # resp_consumed
-CTRL_SIZE = 64
+DPU_CTRL_STRUCT = CStruct("dpuf_dpu_ctrl", (("resp_consumed", "Q"),), 128)
+GPU_CTRL = GPU_CTRL_STRUCT.codec
+DPU_CTRL = DPU_CTRL_STRUCT.codec
+CTRL_SIZE = 128
 
-#: Request records have one fixed size in protocol v1 (see records.py).
+#: Request records have one fixed size (see records.py).
 REQUEST_SLOT_SIZE = 128
-#: A response record is a 24-byte header followed by u32 token ids.
-RESPONSE_HEADER_SIZE = 24
-MIN_RESPONSE_SLOT_SIZE = RESPONSE_HEADER_SIZE + 8
+#: A response record is a 32-byte header followed by u32 token ids.
+RESPONSE_HEADER_SIZE = 32
+MIN_RESPONSE_SLOT_SIZE = 64
+#: Response slots are whole 32-byte sectors, so that 128-byte-aligned rings
+#: never put two slots' headers in one sector.
+RESPONSE_SLOT_UNIT = 32
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -59,6 +77,8 @@ class ChannelLayout:
     resp_slot_size: int
     gpu_ctrl_offset: int
     dpu_ctrl_offset: int
+    max_sequences: int  # generate records the DPU may have open (sent, not finished)
+    max_prompt_tokens: int  # the longest prompt the GPU side takes
 
     @property
     def tokens_per_response(self) -> int:
@@ -112,7 +132,7 @@ class Layout:
                 ch.req_ring_offset, ch.req_slots, ch.req_slot_size,
                 ch.arena_offset, ch.arena_size,
                 ch.resp_ring_offset, ch.resp_slots, ch.resp_slot_size,
-                ch.gpu_ctrl_offset, ch.dpu_ctrl_offset,
+                ch.gpu_ctrl_offset, ch.dpu_ctrl_offset, ch.max_sequences, ch.max_prompt_tokens,
             )
         return bytes(out)
 
@@ -153,9 +173,14 @@ def _check_magic_version(magic: bytes, major: int) -> None:
     if magic != MAGIC:
         raise LayoutMismatch(f"bad magic {magic!r}: the peer is not a dpu-frontend ring peer")
     if major != VERSION_MAJOR:
-        raise LayoutMismatch(
-            f"peer speaks ring protocol v{major}, this daemon speaks v{VERSION_MAJOR}"
-        )
+        raise LayoutMismatch(version_refusal(major))
+
+
+def version_refusal(major: object) -> str:
+    """The one message for a peer of another protocol version (v1 peers included)."""
+    hint = (" (v1 has no epochs, mailbox or multi-warp publishing: upgrade the GPU peer)"
+            if major == 1 else "")
+    return f"peer speaks ring protocol v{major}, this daemon speaks v{VERSION_MAJOR}{hint}"
 
 
 def validate(layout: Layout) -> None:
@@ -169,10 +194,18 @@ def validate(layout: Layout) -> None:
             raise LayoutMismatch(f"{where}: request slot size {ch.req_slot_size} != {REQUEST_SLOT_SIZE}")
         if ch.req_slots < 1 or ch.resp_slots < 2:
             raise LayoutMismatch(f"{where}: needs >= 1 request slot and >= 2 response slots")
-        if ch.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or ch.resp_slot_size % 8:
+        if ch.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or ch.resp_slot_size % RESPONSE_SLOT_UNIT:
             raise LayoutMismatch(f"{where}: response slot size {ch.resp_slot_size} invalid")
-        if ch.arena_size % 4:
-            raise LayoutMismatch(f"{where}: arena size {ch.arena_size} not a multiple of 4")
+        if ch.arena_size < ALIGN or ch.arena_size % ALIGN:
+            raise LayoutMismatch(f"{where}: arena size {ch.arena_size} not a multiple of {ALIGN}")
+        if ch.max_sequences < 1:
+            raise LayoutMismatch(f"{where}: max_sequences must be >= 1")
+        if ch.resp_slots < 2 * ch.max_sequences:
+            raise LayoutMismatch(f"{where}: {ch.resp_slots} response slots cannot hold two "
+                                 f"steps of {ch.max_sequences} sequences")
+        if not 1 <= ch.max_prompt_tokens <= ch.arena_tokens:
+            raise LayoutMismatch(f"{where}: max_prompt_tokens {ch.max_prompt_tokens} outside "
+                                 f"[1, {ch.arena_tokens}] (the arena)")
         for name, offset, size in ch.spans():
             if offset % ALIGN:
                 raise LayoutMismatch(f"{where}: {name} at {offset} is not {ALIGN}-byte aligned")
@@ -189,28 +222,46 @@ def validate(layout: Layout) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """What the GPU side chooses for each channel; ``plan`` places it."""
+    """What the GPU side chooses for each channel; ``plan`` places it.
+
+    A decode step emits one record per running sequence, so the response ring
+    holds at least two steps of the largest batch (``resp_slots >= 2 *
+    max_sequences``): the GPU can publish one step while the DPU reads the
+    previous one.
+    """
 
     channels: int = 1
     req_slots: int = 256
     arena_bytes: int = 4 << 20
     resp_slots: int = 1024
     resp_slot_size: int = 64
+    max_sequences: int = 256
+    max_prompt_tokens: int = 0  # 0: the whole arena
 
     def __post_init__(self) -> None:
         if self.channels < 1:
             raise ValueError("channels must be >= 1")
         if self.req_slots < 1:
             raise ValueError("req_slots must be >= 1")
-        if self.resp_slots < 2:
-            raise ValueError("resp_slots must be >= 2")
-        if self.arena_bytes < 4 or self.arena_bytes % 4:
-            raise ValueError("arena_bytes must be a positive multiple of 4")
-        if self.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or self.resp_slot_size % 8:
-            raise ValueError(f"resp_slot_size must be a multiple of 8, >= {MIN_RESPONSE_SLOT_SIZE}")
+        if self.max_sequences < 1:
+            raise ValueError("max_sequences must be >= 1")
+        if self.resp_slots < 2 * self.max_sequences:
+            raise ValueError(f"resp_slots must be >= 2 * max_sequences ({2 * self.max_sequences})")
+        if self.arena_bytes < ALIGN or self.arena_bytes % ALIGN:
+            raise ValueError(f"arena_bytes must be a positive multiple of {ALIGN}")
+        if self.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or self.resp_slot_size % RESPONSE_SLOT_UNIT:
+            raise ValueError(f"resp_slot_size must be a multiple of {RESPONSE_SLOT_UNIT}, "
+                             f">= {MIN_RESPONSE_SLOT_SIZE}")
+        if not 0 <= self.max_prompt_tokens <= self.arena_bytes // 4:
+            raise ValueError(f"max_prompt_tokens must be in [0, {self.arena_bytes // 4}] "
+                             "(0: the whole arena)")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.max_prompt_tokens or self.arena_bytes // 4
 
     def plan(self, instance: int) -> Layout:
-        """Place every channel's blocks one after another, each 64-byte aligned."""
+        """Place every channel's blocks one after another, each 128-byte aligned."""
         offset = align(HEADER_SIZE + CHANNEL_SIZE * self.channels)
         channels = []
         for _ in range(self.channels):
@@ -226,6 +277,7 @@ class Geometry:
                 resp_ring_offset=resp, resp_slots=self.resp_slots,
                 resp_slot_size=self.resp_slot_size,
                 gpu_ctrl_offset=gpu_ctrl, dpu_ctrl_offset=dpu_ctrl,
+                max_sequences=self.max_sequences, max_prompt_tokens=self.prompt_tokens,
             ))
         layout = Layout(region_size=align(offset, 4096), instance=instance, channels=tuple(channels))
         validate(layout)

@@ -1,4 +1,4 @@
-"""Fixed binary records of the ring protocol v1 (docs/protocol.md, "Records").
+"""Fixed binary records of the ring protocol v2 (docs/protocol.md, "Records").
 
 Every layout here is little-endian with natural alignment, so that a CUDA
 kernel reads it with plain loads into a C struct. Nothing in this module does
@@ -14,17 +14,30 @@ import struct
 from dataclasses import dataclass, field
 
 from dpu_frontend.errors import ProtocolError
+from dpu_frontend.ring.cstruct import CStruct
 from dpu_frontend.ring.layout import REQUEST_SLOT_SIZE, RESPONSE_HEADER_SIZE
 
 #: The commit word: the record's sequence number, written last (section
 #: "Memory ordering" of docs/protocol.md).
 COMMIT = struct.Struct("<Q")
-#: Request record body, from byte 8 to byte 112 of the 128-byte slot.
-REQUEST_BODY = struct.Struct("<IIQQIIffifQfffI8I")
-REQUEST_BODY_OFFSET = 8
 MAX_STOP_TOKEN_IDS = 8
-#: Response record header; token ids follow at byte 24.
-RESPONSE_HEADER = struct.Struct("<QQHBBI")
+#: The whole 128-byte request slot; the body is every field after ``commit``.
+REQUEST_STRUCT = CStruct("dpuf_request", (
+    ("commit", "Q"), ("kind", "I"), ("flags", "I"), ("request_id", "Q"),
+    ("arena_offset", "Q"), ("prompt_len", "I"), ("max_tokens", "I"), ("temperature", "f"),
+    ("top_p", "f"), ("top_k", "i"), ("min_p", "f"), ("seed", "Q"),
+    ("presence_penalty", "f"), ("frequency_penalty", "f"), ("repetition_penalty", "f"),
+    ("n_stop_token_ids", "I"), ("stop_token_ids", f"{MAX_STOP_TOKEN_IDS}I"), ("epoch", "I"),
+), REQUEST_SLOT_SIZE)
+REQUEST_BODY_OFFSET = 8
+#: Request record body, from byte 8 to byte 116 of the slot (then reserved zero).
+REQUEST_BODY = struct.Struct("<" + REQUEST_STRUCT.codec.format[2:])
+#: Response record header; token ids follow at byte 32.
+RESPONSE_STRUCT = CStruct("dpuf_response_header", (
+    ("seq", "Q"), ("request_id", "Q"), ("epoch", "I"), ("n_tokens", "H"), ("finish", "B"),
+    ("flags", "B"),
+), RESPONSE_HEADER_SIZE)
+RESPONSE_HEADER = RESPONSE_STRUCT.codec
 
 FLAG_IGNORE_EOS = 1 << 0
 FLAG_HAS_SEED = 1 << 1
@@ -93,12 +106,12 @@ class CancelRecord:
 RequestRecord = GenerateRecord | CancelRecord
 
 
-def encode_request_body(record: RequestRecord) -> bytes:
+def encode_request_body(record: RequestRecord, epoch: int) -> bytes:
     """Bytes 8..128 of a request slot. The commit word (bytes 0..8) is separate."""
     if isinstance(record, CancelRecord):
         body = REQUEST_BODY.pack(
             RecordKind.CANCEL, 0, record.request_id, 0, 0, 0,
-            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS),
+            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS), epoch,
         )
     else:
         p = record.params
@@ -110,23 +123,31 @@ def encode_request_body(record: RequestRecord) -> bytes:
             RecordKind.GENERATE, flags, record.request_id, record.arena_offset,
             record.prompt_len, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p,
             p.seed or 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-            len(p.stop_token_ids), *stops,
+            len(p.stop_token_ids), *stops, epoch,
         )
     return body + bytes(REQUEST_SLOT_SIZE - REQUEST_BODY_OFFSET - len(body))
 
 
-def decode_request(slot: bytes | memoryview) -> RequestRecord:
-    """Decode a whole 128-byte slot whose commit word the caller already checked."""
+def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
+    """Decode a whole 128-byte slot whose commit word the caller already checked.
+
+    A record written in another attachment (``epoch``) is never accepted.
+    """
     (kind, flags, request_id, arena_offset, prompt_len, max_tokens, temperature, top_p,
-     top_k, min_p, seed, presence, frequency, repetition, n_stop, *stops) = (
+     top_k, min_p, seed, presence, frequency, repetition, n_stop, *rest) = (
         REQUEST_BODY.unpack_from(slot, REQUEST_BODY_OFFSET)
     )
+    stops, record_epoch = rest[:MAX_STOP_TOKEN_IDS], rest[MAX_STOP_TOKEN_IDS]
+    if record_epoch != epoch:
+        raise ProtocolError(f"request record of epoch {record_epoch} in epoch {epoch}")
     if kind == RecordKind.CANCEL:
         return CancelRecord(request_id)
     if kind != RecordKind.GENERATE:
         raise ProtocolError(f"unknown request record kind {kind}")
     if n_stop > MAX_STOP_TOKEN_IDS:
         raise ProtocolError(f"request record declares {n_stop} stop token ids")
+    if max_tokens < 1:
+        raise ProtocolError(f"request record {request_id} asks for max_tokens 0")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_f32(temperature), top_p=_f32(top_p),
@@ -157,24 +178,30 @@ class ResponseRecord:
         return self.finish != FinishReason.NONE
 
 
-def encode_response_body(record: ResponseRecord, slot_size: int) -> bytes:
+def encode_response_body(record: ResponseRecord, slot_size: int, epoch: int) -> bytes:
     """Bytes 8..slot_size of a response slot; the sequence word goes in last."""
     capacity = (slot_size - RESPONSE_HEADER_SIZE) // 4
     n = len(record.tokens)
     if n > capacity:
         raise ValueError(f"{n} tokens do not fit a {slot_size}-byte response record")
-    head = RESPONSE_HEADER.pack(0, record.request_id, n, record.finish, 0, 0)[8:]
+    head = RESPONSE_STRUCT.pack(0, record.request_id, epoch, n, record.finish, 0)[8:]
     return head + struct.pack(f"<{n}I", *record.tokens) + bytes((capacity - n) * 4)
 
 
 def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
-                    slot_size: int) -> ResponseRecord:
-    """Decode the record at ``offset``; its sequence word must be ``expected_seq``."""
-    seq, request_id, n, finish, _flags, _reserved = RESPONSE_HEADER.unpack_from(slot, offset)
+                    slot_size: int, epoch: int) -> ResponseRecord:
+    """Decode the record at ``offset``; its sequence word must be ``expected_seq`` and
+    its epoch the attachment's: a record from an old epoch is never accepted."""
+    seq, request_id, record_epoch, n, finish, _flags = RESPONSE_HEADER.unpack_from(slot, offset)
     if seq != expected_seq:
         raise ProtocolError(
             f"response record {expected_seq} carries sequence {seq}: the peer published an "
             "index before the record it covers"
+        )
+    if record_epoch != epoch:
+        raise ProtocolError(
+            f"response record {seq} belongs to epoch {record_epoch}, the channel is in "
+            f"epoch {epoch}: a store from an earlier attachment"
         )
     if n > (slot_size - RESPONSE_HEADER_SIZE) // 4:
         raise ProtocolError(f"response record {seq} declares {n} tokens")

@@ -2,8 +2,22 @@
 
 The peer's region is a file (normally under /dev/shm) that both processes
 map. A WRITE is a copy into the mapping at the same offset, a READ a copy out.
-On x86-64 the stores of one copy become visible to the other process in
-program order, which is the ordering RC gives RDMA WRITEs of one QP.
+RC's ordering is made explicit with barriers, because the daemon runs on Arm
+cores where plain stores and loads may become visible out of program order:
+
+* a release fence before each WRITE: it becomes visible only after every
+  earlier WRITE, as RC places the WRITEs of one QP in order (a record's
+  commit word after its body);
+* an acquire fence after each READ: no later READ is satisfied before it, as
+  a fenced RDMA READ starts only once the one before completed (the records
+  after the control block that published them).
+
+An 8-byte WRITE (a commit word, a counter) is one release store, and a READ
+of a control block (up to 128 bytes) is one acquire load per word, so that no
+marker is ever seen torn, whatever ``memcpy`` does.
+
+The GPU side pairs them with release stores of its markers and acquire loads
+of ours (``ring/gpu.py``, the CUDA kernel).
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ import os
 
 from dpu_frontend.errors import TransportError
 from dpu_frontend.ring import ReadOp, WriteOp
+from dpu_frontend.ring.memory import AtomicMemory, fence_acquire, fence_release
 from dpu_frontend.transport.base import Transport
 
 
@@ -33,35 +48,58 @@ def map_file(path: str, size: int, *, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+#: READs up to this size (control blocks) are taken word by word with acquire loads.
+SMALL_READ = 128
+
+
 class ShmTransport(Transport):
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         self.size = size
         self._map: mmap.mmap | None = None
+        self._atomic: AtomicMemory | None = None
 
     def start(self) -> None:
         self._map = map_file(self.path, self.size, create=False)
+        self._atomic = AtomicMemory(self._map)
 
     def _mapping(self) -> mmap.mmap:
         if self._map is None or self._map.closed:
             raise TransportError(f"shared-memory region {self.path} is not mapped")
         return self._map
 
-    async def write(self, ops: list[WriteOp]) -> None:
+    async def exchange(self, writes: list[WriteOp], reads: list[ReadOp]) -> list[bytes]:
         mem = self._mapping()
-        for op in ops:
-            self._check(op.offset, len(op.data))
-            mem[op.offset:op.offset + len(op.data)] = op.data
-
-    async def read(self, op: ReadOp) -> bytes:
-        self._check(op.offset, op.length)
-        return self._mapping()[op.offset:op.offset + op.length]
+        atomic = self._atomic
+        if atomic is None:
+            raise TransportError(f"shared-memory region {self.path} is not mapped")
+        for w in writes:
+            self._check(w.offset, len(w.data))
+            if len(w.data) == 8 and w.offset % 8 == 0:
+                atomic.store_release(w.offset, int.from_bytes(w.data, "little"))
+            else:
+                fence_release()
+                mem[w.offset:w.offset + len(w.data)] = w.data
+        out = []
+        for r in reads:
+            self._check(r.offset, r.length)
+            fence_release()  # a READ sees every WRITE posted before it
+            if r.length <= SMALL_READ and r.length % 8 == 0 and r.offset % 8 == 0:
+                out.append(b"".join(atomic.load_acquire(r.offset + i).to_bytes(8, "little")
+                                    for i in range(0, r.length, 8)))
+            else:
+                out.append(mem[r.offset:r.offset + r.length])
+                fence_acquire()
+        return out
 
     def _check(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
             raise TransportError(f"access [{offset}, {offset + length}) outside the region")
 
     def close(self) -> None:
+        if self._atomic is not None:
+            self._atomic.release()
+            self._atomic = None
         if self._map is not None and not self._map.closed:
             self._map.close()
         self._map = None

@@ -124,7 +124,7 @@ def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
     """The ids the reference peer generates for these prompt ids (its engine is deterministic)."""
     per_record = Geometry().plan(1).channels[0].tokens_per_response
     engine = Engine(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
-                    eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_record=per_record)
+                    eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=per_record)
     engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens, seed=seed)),
                  tuple(prompt_ids), time.monotonic())
     ids: list[int] = []

@@ -45,11 +45,12 @@ def region(tmp_path: Path, data: bytes) -> str:
 ])
 async def test_bad_layout_record_is_a_startup_error(tmp_path: Path, mutate: object,
                                                     message: str) -> None:
-    layout = Geometry(req_slots=4, arena_bytes=64, resp_slots=4).plan(instance=42)
+    layout = Geometry(req_slots=4, arena_bytes=256, resp_slots=4, max_sequences=2).plan(instance=42)
     data = bytearray(layout.region_size)
     data[:layout.header_size] = layout.encode()
     mutate(data)  # type: ignore[operator]
-    welcome = messages.Welcome(0, 42, layout.region_size, {"path": region(tmp_path, bytes(data))})
+    welcome = messages.Welcome(0, 42, layout.region_size, {"path": region(tmp_path, bytes(data))},
+                                epoch=1)
     result = await serve_against(welcome.to_dict())
     assert result.returncode == 1
     assert message in result.stderr
@@ -57,18 +58,26 @@ async def test_bad_layout_record_is_a_startup_error(tmp_path: Path, mutate: obje
 
 
 async def test_instance_mismatch_is_a_startup_error(tmp_path: Path) -> None:
-    layout = Geometry(req_slots=4, arena_bytes=64, resp_slots=4).plan(instance=42)
+    layout = Geometry(req_slots=4, arena_bytes=256, resp_slots=4, max_sequences=2).plan(instance=42)
     data = bytearray(layout.region_size)
     data[:layout.header_size] = layout.encode()
-    welcome = messages.Welcome(0, 43, layout.region_size, {"path": region(tmp_path, bytes(data))})
+    welcome = messages.Welcome(0, 43, layout.region_size, {"path": region(tmp_path, bytes(data))},
+                                epoch=1)
     result = await serve_against(welcome.to_dict())
     assert result.returncode == 1 and "stale or foreign region" in result.stderr
 
 
 async def test_other_protocol_version_in_the_handshake(tmp_path: Path) -> None:
-    welcome = messages.Welcome(0, 42, 4096, {"path": "/nonexistent"}).to_dict() | {"protocol": 2}
-    result = await serve_against(welcome)
-    assert result.returncode == 1 and "ring protocol v2" in result.stderr
+    welcome = messages.Welcome(0, 42, 4096, {"path": "/nonexistent"}, epoch=1).to_dict()
+    result = await serve_against(welcome | {"protocol": 3})
+    assert result.returncode == 1 and "ring protocol v3" in result.stderr
+
+
+async def test_a_v1_peer_stops_the_daemon_with_a_clear_message(tmp_path: Path) -> None:
+    """A v1 peer refuses a v2 hello in its own words: the daemon exits, it does not retry."""
+    result = await serve_against(messages.refuse("daemon speaks ring protocol v2, this peer v1"))
+    assert result.returncode == 1
+    assert "peer speaks ring protocol v1" in result.stderr and "upgrade" in result.stderr
 
 
 async def test_refused_channel(tmp_path: Path) -> None:

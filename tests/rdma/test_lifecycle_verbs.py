@@ -11,7 +11,7 @@ from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.errors import PeerError
 from dpu_frontend.metrics import Metrics
-from dpu_frontend.peer.server import PeerServer
+from dpu_frontend.peer.server import PeerServer, reference_model
 from dpu_frontend.ring import Geometry, SamplingParams
 from dpu_frontend.softroce.harness import RXE_IP
 from tests.integration import lifecycle
@@ -38,9 +38,10 @@ async def test_two_peers() -> None:
 async def test_a_lost_gpu_side_qp_is_a_completion_error() -> None:
     """The peer process lives on and its control connection stays open, but its QP is
     gone: the daemon's next RDMA operation fails, and the open stream ends with it."""
-    peer = PeerServer(PeerConfig(transport="verbs", rdma=RdmaConfig(ip=RXE_IP), host=RXE_IP,
-                                 port=0, tokens_per_s=5,
-                                 geometry=Geometry(req_slots=4, arena_bytes=4096, resp_slots=16)))
+    config = PeerConfig(transport="verbs", rdma=RdmaConfig(ip=RXE_IP), host=RXE_IP, port=0,
+                        tokens_per_s=5, geometry=Geometry(req_slots=4, arena_bytes=4096,
+                                                          resp_slots=16, max_sequences=8))
+    peer = PeerServer(config, *reference_model(config))
     await peer.start()
     config = ServeConfig(peers=(PeerAddress(RXE_IP, peer.port),), transport="verbs",
                          rdma=RdmaConfig(ip=RXE_IP), peer_timeout_s=5.0)

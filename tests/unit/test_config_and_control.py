@@ -45,6 +45,8 @@ def test_geometry_validation() -> None:
         Geometry(resp_slot_size=30)
     with pytest.raises(ValueError, match="arena_bytes"):
         Geometry(arena_bytes=6)
+    with pytest.raises(ValueError, match="2 \\* max_sequences"):
+        Geometry(max_sequences=600, resp_slots=1024)
 
 
 async def test_messages_roundtrip_over_a_real_socket() -> None:
@@ -52,7 +54,7 @@ async def test_messages_roundtrip_over_a_real_socket() -> None:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         received.append(await messages.receive(reader))
-        await messages.send(writer, messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"}).to_dict())
+        await messages.send(writer, messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"}, epoch=3).to_dict())
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
@@ -65,15 +67,27 @@ async def test_messages_roundtrip_over_a_real_socket() -> None:
     server.close()
     await server.wait_closed()
     assert messages.Hello.from_dict(received[0]) == messages.Hello("shm", 0)
-    assert welcome == messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"})
+    assert welcome == messages.Welcome(0, 7, 4096, {"path": "/dev/shm/x"}, epoch=3)
 
 
 def test_refuse_and_version_mismatch_are_clear() -> None:
     with pytest.raises(PeerError, match="refused the channel: busy"):
         messages.Welcome.from_dict(messages.refuse("busy"))
-    bad = messages.Welcome(0, 7, 4096, {}).to_dict() | {"protocol": 2}
-    with pytest.raises(LayoutMismatch, match="v2"):
+    bad = messages.Welcome(0, 7, 4096, {}, epoch=1).to_dict() | {"protocol": 3}
+    with pytest.raises(LayoutMismatch, match="v3"):
         messages.Welcome.from_dict(bad)
+    with pytest.raises(PeerError, match="epoch"):
+        messages.Welcome.from_dict(messages.Welcome(0, 7, 4096, {}, epoch=0).to_dict())
+
+
+def test_a_v1_peer_is_refused_with_a_clear_message() -> None:
+    """A v1 peer refuses our v2 hello in its own words; the daemon must stop, not retry."""
+    v1_refusal = messages.refuse("daemon speaks ring protocol v2, this peer v1")
+    with pytest.raises(LayoutMismatch, match=r"peer speaks ring protocol v1.*upgrade the GPU peer"):
+        messages.Welcome.from_dict(v1_refusal)
+    with pytest.raises(LayoutMismatch, match="v1"):
+        messages.Welcome.from_dict(messages.Welcome(0, 7, 4096, {}, epoch=1).to_dict()
+                                   | {"protocol": 1})
     with pytest.raises(PeerError, match="unknown transport"):
         messages.Hello.from_dict({"op": "hello", "protocol": 1, "transport": "carrier-pigeon"})
 

@@ -8,9 +8,9 @@ from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, Samp
 EOS = 99
 
 
-def engine(mode: str = "replay", rate: float = 0.0, per_record: int = 4) -> Engine:
+def engine(mode: str = "replay", rate: float = 0.0, per_step: int = 4) -> Engine:
     return Engine(mode=mode, corpus_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], eos_token_ids=[EOS],
-                  tokens_per_s=rate, tokens_per_record=per_record)
+                  tokens_per_s=rate, tokens_per_step=per_step)
 
 
 def run(e: Engine, now: float = 0.0, steps: int = 50) -> list[ResponseRecord]:
@@ -86,3 +86,40 @@ def test_same_prompt_same_generation() -> None:
     admit(a, 1, (3, 1, 4), max_tokens=50)
     admit(b, 9, (3, 1, 4), max_tokens=50)
     assert tokens(run(a)) == tokens(run(b))
+
+
+def test_one_record_per_sequence_per_step_whatever_the_budget() -> None:
+    """The grouping of tokens into records depends on the steps only, never on how many
+    records the ring could take: the CUDA kernel groups them the same way."""
+    def records(budget: int) -> list[ResponseRecord]:
+        e = engine(mode="echo", per_step=3)
+        admit(e, 1, tuple(range(10, 20)), max_tokens=100)
+        admit(e, 2, tuple(range(30, 37)), max_tokens=5)
+        out: list[ResponseRecord] = []
+        for _ in range(20):
+            out += e.step(0.0, budget)
+        return out
+
+    full = records(100)
+    assert [(r.tokens, r.finish) for r in full if r.request_id == 1] == [
+        ((10, 11, 12), FinishReason.NONE), ((13, 14, 15), FinishReason.NONE),
+        ((16, 17, 18), FinishReason.NONE), ((19,), FinishReason.STOP)]  # the source ended
+    assert [(r.tokens, r.finish) for r in full if r.request_id == 2] == [
+        ((30, 31, 32), FinishReason.NONE), ((33, 34), FinishReason.LENGTH)]
+    for budget in (1, 2, 3):
+        assert sorted(records(budget), key=lambda r: r.request_id) == sorted(
+            full, key=lambda r: r.request_id)
+
+
+def test_replay_start_is_crc32_of_prompt_seed_and_flag() -> None:
+    """The rule the CUDA kernel implements (peer_kernel.cu: replay_start_cursor)."""
+    import struct
+    import zlib
+
+    from dpu_frontend.peer.engine import replay_start
+
+    prompt = [1, 2, 300000]
+    data = struct.pack("<3I", *prompt) + struct.pack("<Q", 7) + b"\x01"
+    assert replay_start(prompt, 7, 1000) == zlib.crc32(data) % 1000
+    data = struct.pack("<3I", *prompt) + bytes(8) + b"\x00"
+    assert replay_start(prompt, None, 1000) == zlib.crc32(data) % 1000

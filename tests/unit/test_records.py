@@ -49,7 +49,7 @@ params_st = st.builds(
 
 def test_fixed_sizes_match_the_specification() -> None:
     assert HEADER.size <= HEADER_SIZE == 128
-    assert CHANNEL.size == CHANNEL_SIZE == 64
+    assert CHANNEL.size <= CHANNEL_SIZE == 128
     assert REQUEST_BODY_OFFSET + REQUEST_BODY.size <= REQUEST_SLOT_SIZE == 128
 
 
@@ -57,66 +57,75 @@ def test_fixed_sizes_match_the_specification() -> None:
 def test_generate_record_roundtrip(request_id: int, arena_offset: int, prompt_len: int,
                                    params: SamplingParams) -> None:
     record = GenerateRecord(request_id, arena_offset, prompt_len, params)
-    body = encode_request_body(record)
+    body = encode_request_body(record, epoch=7)
     assert len(body) == REQUEST_SLOT_SIZE - REQUEST_BODY_OFFSET
-    assert decode_request(bytes(8) + body) == record
+    assert decode_request(bytes(8) + body, 7) == record
+    with pytest.raises(ProtocolError, match="epoch 7 in epoch 8"):
+        decode_request(bytes(8) + body, 8)
 
 
 @given(request_id=u64)
 def test_cancel_record_roundtrip(request_id: int) -> None:
-    assert decode_request(bytes(8) + encode_request_body(CancelRecord(request_id))) == (
+    assert decode_request(bytes(8) + encode_request_body(CancelRecord(request_id), 3), 3) == (
         CancelRecord(request_id))
 
 
 def test_unknown_request_kind_is_a_protocol_error() -> None:
-    slot = bytearray(bytes(8) + encode_request_body(CancelRecord(1)))
+    slot = bytearray(bytes(8) + encode_request_body(CancelRecord(1), 1))
     struct.pack_into("<I", slot, 8, 9)
     with pytest.raises(ProtocolError, match="kind 9"):
-        decode_request(bytes(slot))
+        decode_request(bytes(slot), 1)
 
 
-@given(slot_size=st.sampled_from([32, 64, 128, 256]), data=st.data(), seq=u64, rid=u64,
-       finish=st.sampled_from(list(FinishReason)))
+@given(slot_size=st.sampled_from([64, 96, 128, 256]), data=st.data(), seq=u64, rid=u64,
+       epoch=u32.filter(bool), finish=st.sampled_from(list(FinishReason)))
 def test_response_record_roundtrip(slot_size: int, data: st.DataObject, seq: int, rid: int,
-                                   finish: FinishReason) -> None:
-    capacity = (slot_size - 24) // 4
+                                   epoch: int, finish: FinishReason) -> None:
+    capacity = (slot_size - 32) // 4
     tokens = tuple(data.draw(st.lists(u32, max_size=capacity)))
     record = ResponseRecord(rid, tokens, finish)
-    slot = struct.pack("<Q", seq) + encode_response_body(record, slot_size)
+    slot = struct.pack("<Q", seq) + encode_response_body(record, slot_size, epoch)
     assert len(slot) == slot_size
-    assert decode_response(slot, 0, seq, slot_size) == record
-    with pytest.raises(ProtocolError):
-        decode_response(slot, 0, seq ^ 1, slot_size)
+    assert decode_response(slot, 0, seq, slot_size, epoch) == record
+    with pytest.raises(ProtocolError, match="index before the record"):
+        decode_response(slot, 0, seq ^ 1, slot_size, epoch)
+    with pytest.raises(ProtocolError, match="earlier attachment"):
+        decode_response(slot, 0, seq, slot_size, epoch ^ 1)
 
 
 def test_response_record_overflow_is_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
-        encode_response_body(ResponseRecord(1, tuple(range(3))), 32)
+        encode_response_body(ResponseRecord(1, tuple(range(9))), 64, 1)
 
 
-@given(channels=st.integers(1, 4), req_slots=st.integers(1, 64), arena=st.integers(1, 4096),
-       resp_slots=st.integers(2, 64), resp_slot=st.sampled_from([32, 64, 120]), instance=u64.filter(bool))
-def test_layout_roundtrip(channels: int, req_slots: int, arena: int, resp_slots: int,
+@given(channels=st.integers(1, 4), req_slots=st.integers(1, 64), arena=st.integers(1, 64),
+       sequences=st.integers(1, 32), extra=st.integers(0, 64),
+       resp_slot=st.sampled_from([64, 96, 128]), instance=u64.filter(bool))
+def test_layout_roundtrip(channels: int, req_slots: int, arena: int, sequences: int, extra: int,
                           resp_slot: int, instance: int) -> None:
-    layout = Geometry(channels, req_slots, arena * 4, resp_slots, resp_slot).plan(instance)
+    layout = Geometry(channels, req_slots, arena * 128, 2 * sequences + extra, resp_slot,
+                      sequences).plan(instance)
     data = layout.encode()
     assert decode_header_size(data[:HEADER_SIZE]) == len(data)
     assert decode_layout(data) == layout
 
 
 def _layout() -> Layout:
-    return Geometry(channels=2, req_slots=4, arena_bytes=64, resp_slots=4).plan(5)
+    return Geometry(channels=2, req_slots=4, arena_bytes=256, resp_slots=4, max_sequences=2).plan(5)
 
 
 @pytest.mark.parametrize(("patch", "message"), [
     (lambda b: b.__setitem__(slice(0, 8), b"NOTARING"), "bad magic"),
-    (lambda b: struct.pack_into("<H", b, 8, 2), "protocol v2"),
-    (lambda b: struct.pack_into("<I", b, 36, 48), "descriptor size"),
+    (lambda b: struct.pack_into("<H", b, 8, 1), "protocol v1.*upgrade"),
+    (lambda b: struct.pack_into("<I", b, 36, 64), "descriptor size"),
     (lambda b: struct.pack_into("<Q", b, 16, 1024), "region has 1024"),
     (lambda b: struct.pack_into("<Q", b, 24, 0), "instance"),
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 12, 64), "request slot size"),
     (lambda b: struct.pack_into("<Q", b, HEADER_SIZE + CHANNEL_SIZE, 1024), "overlaps"),
-    (lambda b: struct.pack_into("<Q", b, HEADER_SIZE, 1000), "aligned"),
+    (lambda b: struct.pack_into("<Q", b, HEADER_SIZE, 1024 + 64), "aligned"),
+    (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 64, 3), "two steps of 3 sequences"),
+    (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 68, 65), "max_prompt_tokens 65"),
+    (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 44, 80), "response slot size 80"),
 ])
 def test_layout_mismatches_are_named(patch: object, message: str) -> None:
     data = bytearray(_layout().encode())
@@ -127,6 +136,6 @@ def test_layout_mismatches_are_named(patch: object, message: str) -> None:
 
 def test_float_fields_read_back_as_float32() -> None:
     record = GenerateRecord(1, 0, 0, SamplingParams(max_tokens=1, temperature=0.1))
-    decoded = decode_request(bytes(8) + encode_request_body(record))
+    decoded = decode_request(bytes(8) + encode_request_body(record, 1), 1)
     assert isinstance(decoded, GenerateRecord)
     assert math.isclose(decoded.params.temperature, 0.1, rel_tol=1e-6)

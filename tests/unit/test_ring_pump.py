@@ -1,10 +1,13 @@
 """In-memory pumping between the daemon's and the GPU's halves of a channel.
 
-No socket, no QP: the DPU's operations are applied to a bytearray that the
-GPU half reads and writes directly, exactly as RDMA would apply them.
+No socket, no QP: the DPU's operations are applied to a buffer that the GPU
+half reads and writes through the same ``AtomicMemory`` the peers use,
+exactly as RDMA would apply them.
 """
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -20,39 +23,65 @@ from dpu_frontend.ring import (
     GpuChannel,
     ResponseRecord,
     SamplingParams,
+    WriteOp,
 )
+from dpu_frontend.ring.layout import ALIGN
+from dpu_frontend.ring.mailbox import (
+    ChannelState,
+    Command,
+    HostMailbox,
+    KernelMailbox,
+    MailboxError,
+    mailbox_area_size,
+)
+from dpu_frontend.ring.memory import AtomicMemory
+from dpu_frontend.ring.records import REQUEST_BODY_OFFSET, encode_request_body
+
+
+def apply(mem: AtomicMemory, op: WriteOp) -> None:
+    """One RDMA WRITE: an 8-byte marker as one release store, anything else as a copy."""
+    if len(op.data) == 8 and op.offset % 8 == 0:
+        mem.store_release(op.offset, int.from_bytes(op.data, "little"))
+    else:
+        mem.write(op.offset, op.data)
 
 
 class Pump:
-    def __init__(self, geometry: Geometry) -> None:
+    def __init__(self, geometry: Geometry, epoch: int = 1) -> None:
         self.layout = geometry.plan(instance=7)
-        self.mem = bytearray(self.layout.region_size)
-        self.view = memoryview(self.mem)
-        ch = self.layout.channels[0]
-        self.dpu = DpuChannel(ch)
-        self.gpu = GpuChannel(self.view, ch)
-        self.gpu.reset()
+        self.mem = AtomicMemory(bytearray(self.layout.region_size))
+        self.ch = self.layout.channels[0]
+        self.dpu = DpuChannel(self.ch, epoch)
+        self.gpu = GpuChannel(self.mem, self.ch)
+        self.gpu.reset(epoch)
         self.now = 0.0
 
     def flush(self) -> None:
-        for op in self.dpu.take_writes():
-            self.mem[op.offset:op.offset + len(op.data)] = op.data
+        writes, _sent = self.dpu.take_writes()
+        for op in writes:
+            apply(self.mem, op)
 
     def poll(self) -> list[ResponseRecord]:
+        """One poll as the transports run it: WRITEs, the control READ, the fenced window
+        READ, then exact READs past the window."""
         self.now += 1.0
-        ctrl = self.dpu.ctrl_read()
-        reads = self.dpu.on_ctrl(bytes(self.mem[ctrl.offset:ctrl.offset + ctrl.length]), self.now)
-        out: list[ResponseRecord] = []
-        for op in reads:
-            out += self.dpu.on_records(op, bytes(self.mem[op.offset:op.offset + op.length]))
-        release = self.dpu.consumer_update(idle=not reads)
-        if release:
-            self.mem[release.offset:release.offset + len(release.data)] = release.data
-        return out
+        poll = self.dpu.begin_poll()
+        for op in poll.writes:
+            apply(self.mem, op)
+        data = [self.mem.read(op.offset, op.length) for op in poll.reads]
+        records, more = self.dpu.end_poll(poll, data, self.now)
+        for op in more:
+            records += self.dpu.on_records(op, self.mem.read(op.offset, op.length))
+        return records
+
+
+def small(**kw: int) -> Geometry:
+    base = {"req_slots": 4, "arena_bytes": 512, "resp_slots": 4, "max_sequences": 2}
+    return Geometry(**(base | kw))
 
 
 def test_generate_roundtrip_carries_prompt_and_params() -> None:
-    pump = Pump(Geometry(req_slots=4, arena_bytes=64, resp_slots=4))
+    pump = Pump(small())
     params = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, seed=9, stop_token_ids=(1, 2),
                             ignore_eos=True)
     pump.dpu.submit(11, [5, 6, 7], params)
@@ -67,7 +96,7 @@ def test_generate_roundtrip_carries_prompt_and_params() -> None:
 
 
 def test_request_credits_hold_records_until_the_gpu_consumes() -> None:
-    pump = Pump(Geometry(req_slots=2, arena_bytes=64, resp_slots=4))
+    pump = Pump(small(req_slots=2, max_sequences=4, resp_slots=8))
     for rid in (1, 2, 3):
         pump.dpu.submit(rid, [rid], SamplingParams(max_tokens=1))
     pump.flush()
@@ -78,29 +107,49 @@ def test_request_credits_hold_records_until_the_gpu_consumes() -> None:
     assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [3]
 
 
-def test_arena_never_wraps_a_prompt_and_reclaims_in_order() -> None:
-    pump = Pump(Geometry(req_slots=8, arena_bytes=40, resp_slots=4))  # 10 tokens
-    pump.dpu.submit(1, list(range(6)), SamplingParams(max_tokens=1))
-    pump.dpu.submit(2, list(range(6)), SamplingParams(max_tokens=1))  # does not fit yet
+def test_the_sequence_window_holds_generates_but_never_a_cancel() -> None:
+    """Cancels cannot wait behind generates: with the window full, a cancel still goes."""
+    pump = Pump(small(max_sequences=1, resp_slots=2))
+    pump.dpu.submit(1, [1], SamplingParams(max_tokens=9))
+    pump.dpu.submit(2, [2], SamplingParams(max_tokens=9))
     pump.flush()
-    assert pump.dpu.queued == 1
-    [(_first, p1)] = pump.gpu.poll_requests()
-    assert p1 == tuple(range(6))
+    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [1]
+    assert pump.dpu.open_sequences == 1 and pump.dpu.queued == 1  # 2 waits for the window
+    assert pump.dpu.cancel(1) is True
     pump.poll()
     pump.flush()
-    [(second, p2)] = pump.gpu.poll_requests()
-    assert isinstance(second, GenerateRecord) and second.arena_offset == 0  # skipped the tail
-    assert p2 == tuple(range(6))
+    assert [r for r, _ in pump.gpu.poll_requests()] == [CancelRecord(1)]
+    pump.gpu.publish([ResponseRecord(1, (), FinishReason.CANCELLED)])
+    pump.poll()  # the final record closes 1: the window opens for 2
+    pump.flush()
+    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [2]
 
 
-def test_prompt_larger_than_the_arena_is_refused() -> None:
-    pump = Pump(Geometry(arena_bytes=16))
-    with pytest.raises(PromptTooLong):
+def test_arena_never_wraps_a_prompt_aligns_spans_and_reclaims_in_order() -> None:
+    pump = Pump(small(req_slots=8, arena_bytes=3 * ALIGN, max_sequences=4, resp_slots=8))
+    pump.dpu.submit(1, list(range(20)), SamplingParams(max_tokens=1))  # 80 B: one 128 B span
+    pump.dpu.submit(2, list(range(40)), SamplingParams(max_tokens=1))  # 160 B: two spans
+    pump.dpu.submit(3, list(range(40)), SamplingParams(max_tokens=1))  # does not fit yet
+    pump.flush()
+    assert pump.dpu.queued == 1
+    got = pump.gpu.poll_requests()
+    assert [(r.arena_offset, p) for r, p in got if isinstance(r, GenerateRecord)] == [
+        (0, tuple(range(20))), (ALIGN, tuple(range(40)))]
+    pump.poll()
+    pump.flush()
+    [(third, p3)] = pump.gpu.poll_requests()
+    assert isinstance(third, GenerateRecord) and third.arena_offset == 0  # skipped the tail
+    assert p3 == tuple(range(40))
+
+
+def test_prompt_longer_than_the_gpu_takes_is_refused() -> None:
+    pump = Pump(small(max_prompt_tokens=4))
+    with pytest.raises(PromptTooLong, match="4 tokens"):
         pump.dpu.submit(1, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
 
 
 def test_cancel_of_a_queued_request_never_reaches_the_ring() -> None:
-    pump = Pump(Geometry(req_slots=1, arena_bytes=64, resp_slots=4))
+    pump = Pump(small(req_slots=1))
     pump.dpu.submit(1, [1], SamplingParams(max_tokens=1))
     pump.dpu.submit(2, [2], SamplingParams(max_tokens=1))
     pump.flush()
@@ -113,46 +162,109 @@ def test_cancel_of_a_queued_request_never_reaches_the_ring() -> None:
 
 
 def test_response_ring_backpressure_and_release() -> None:
-    pump = Pump(Geometry(req_slots=2, arena_bytes=64, resp_slots=4))
+    pump = Pump(small())
     records = [ResponseRecord(1, (i,)) for i in range(6)]
     assert pump.gpu.publish(records) == 4  # ring full
     assert pump.gpu.publish(records[4:]) == 0
-    assert len(pump.poll()) == 4  # consumed 4 = whole ring: released at once
+    assert pump.gpu.counters.ring_full_waits == 2
+    assert len(pump.poll()) == 4
+    pump.poll()  # the credit WRITE rides in the next poll's batch
     assert pump.gpu.publish(records[4:]) == 2
     assert [r.tokens for r in pump.poll()] == [(4,), (5,)]
 
 
+def test_records_past_the_speculative_window_are_read_exactly() -> None:
+    pump = Pump(small(resp_slots=64, max_sequences=32))
+    records = [ResponseRecord(1, (i,)) for i in range(40)]  # more than the first window
+    assert pump.gpu.publish(records) == 40
+    assert pump.poll() == records
+
+
 def test_a_record_published_before_its_body_is_a_protocol_error() -> None:
-    pump = Pump(Geometry(req_slots=2, arena_bytes=64, resp_slots=4))
-    ch = pump.layout.channels[0]
-    pump.mem[ch.gpu_ctrl_offset:ch.gpu_ctrl_offset + 8] = (1).to_bytes(8, "little")
+    pump = Pump(small())
+    pump.mem.store_release(pump.ch.gpu_ctrl_offset, 1)
     with pytest.raises(ProtocolError, match="carries sequence 0"):
         pump.poll()
 
 
 def test_peer_index_going_back_is_a_protocol_error() -> None:
-    pump = Pump(Geometry(req_slots=2, arena_bytes=64, resp_slots=4))
+    pump = Pump(small())
     pump.gpu.publish([ResponseRecord(1, (1,))])
     pump.poll()
-    ch = pump.layout.channels[0]
-    pump.mem[ch.gpu_ctrl_offset:ch.gpu_ctrl_offset + 8] = (0).to_bytes(8, "little")
+    pump.mem.store_release(pump.ch.gpu_ctrl_offset, 0)
     with pytest.raises(ProtocolError, match="went back"):
         pump.poll()
+
+
+def test_a_channel_reset_under_the_daemon_is_a_protocol_error() -> None:
+    """A record or a control block of another epoch is never accepted."""
+    pump = Pump(small())
+    pump.gpu.reset(2)
+    with pytest.raises(ProtocolError, match="reset under us"):
+        pump.poll()
+    stale = Pump(small(), epoch=2)
+    stale.gpu.epoch = 1  # a store from a step of the previous attachment
+    stale.gpu.publish([ResponseRecord(1, (1,))])
+    with pytest.raises(ProtocolError, match="earlier attachment"):
+        stale.poll()
+
+
+def test_the_gpu_counts_and_skips_a_corrupt_record() -> None:
+    pump = Pump(small())
+    slot = pump.ch.req_slot_offset(1)
+    body = bytearray(encode_request_body(CancelRecord(5), epoch=1))
+    struct.pack_into("<I", body, 0, 9)  # an unknown kind
+    pump.mem.write(slot + REQUEST_BODY_OFFSET, bytes(body))
+    pump.mem.store_release(slot, 1)
+    pump.dpu._next_seq = 2  # the daemon writes its own records after the corrupt one
+    pump.dpu.submit(7, [1, 2], SamplingParams(max_tokens=1))
+    pump.flush()
+    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [7]
+    assert pump.gpu.counters.bad_records == 1 and pump.gpu.consumed == 2
+
+
+def test_out_of_order_writers_publish_only_a_contiguous_prefix() -> None:
+    """Warps finish in any order; resp_produced never passes a record not yet written."""
+    pump = Pump(small(resp_slots=8, max_sequences=4))
+    positions = pump.gpu.reserve(3)
+    records = [ResponseRecord(p, (p,)) for p in positions]
+    pump.gpu.write(positions[2], records[2])
+    assert pump.gpu.advance() == 0 and pump.poll() == []
+    pump.gpu.write(positions[0], records[0])
+    assert pump.gpu.advance() == 1 and pump.poll() == records[:1]
+    pump.gpu.write(positions[1], records[1])
+    assert pump.gpu.advance() == 3 and pump.poll() == records[1:]
+
+
+def test_mailbox_commands_and_acks() -> None:
+    mem = AtomicMemory(bytearray(mailbox_area_size(2)))
+    host, kernel = HostMailbox(mem, 1), KernelMailbox(mem, 1)
+    assert kernel.pending() is None
+    seq = host.post(Command.ATTACH, epoch=5)
+    assert host.acked(seq) is None
+    assert kernel.pending() == (seq, Command.ATTACH, 5)
+    kernel.ack(seq, ChannelState.ATTACHED, MailboxError.OK)
+    assert host.acked(seq) is not None and kernel.pending() is None
+    ack = host.acked(seq)
+    assert ack is not None and (ack.state, ack.error) == (ChannelState.ATTACHED, MailboxError.OK)
+    kernel.publish_counters({"records": 3, "ring_full_waits": 4})
+    assert host.counters()["records"] == 3 and host.counters()["ring_full_waits"] == 4
+    assert HostMailbox(mem, 0).counters()["records"] == 0  # channels do not share a mailbox
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     prompts=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=12), min_size=1, max_size=30),
     req_slots=st.integers(1, 5),
-    resp_slots=st.integers(2, 6),
+    sequences=st.integers(1, 3),
     per_poll=st.integers(1, 4),
 )
 def test_any_interleaving_delivers_every_token_once_in_order(
-    prompts: list[list[int]], req_slots: int, resp_slots: int, per_poll: int
+    prompts: list[list[int]], req_slots: int, sequences: int, per_poll: int
 ) -> None:
     """The GPU echoes each prompt back, a few records a step; nothing is lost or reordered."""
-    pump = Pump(Geometry(req_slots=req_slots, arena_bytes=64, resp_slots=resp_slots,
-                         resp_slot_size=32))  # 2 tokens per record
+    pump = Pump(Geometry(req_slots=req_slots, arena_bytes=1024, resp_slots=2 * sequences,
+                         resp_slot_size=64, max_sequences=sequences))  # 8 tokens per record
     for rid, prompt in enumerate(prompts, 1):
         pump.dpu.submit(rid, prompt, SamplingParams(max_tokens=1))
     backlog: list[ResponseRecord] = []
@@ -162,7 +274,7 @@ def test_any_interleaving_delivers_every_token_once_in_order(
         pump.flush()
         for record, prompt in pump.gpu.poll_requests():
             assert isinstance(record, GenerateRecord)
-            chunks = [prompt[i:i + 2] for i in range(0, len(prompt), 2)] or [()]
+            chunks = [prompt[i:i + 8] for i in range(0, len(prompt), 8)] or [()]
             backlog += [ResponseRecord(record.request_id, c) for c in chunks[:-1]]
             backlog.append(ResponseRecord(record.request_id, chunks[-1], FinishReason.STOP))
         sent = pump.gpu.publish(backlog[:per_poll])

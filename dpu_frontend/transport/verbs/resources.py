@@ -33,7 +33,7 @@ SQ_DEPTH = 512
 CQ_DEPTH = 1024
 
 
-def _access(*, remote: bool) -> int:
+def access_flags(*, remote: bool) -> int:
     flags: int = compat.enum("IBV_ACCESS_LOCAL_WRITE")
     if remote:
         flags |= compat.enum("IBV_ACCESS_REMOTE_READ") | compat.enum("IBV_ACCESS_REMOTE_WRITE")
@@ -111,7 +111,7 @@ class RdmaResources:
         Relaxed ordering is deliberately not requested: the protocol relies on
         the WRITEs of one QP reaching memory in order (docs/protocol.md).
         """
-        access = _access(remote=remote)
+        access = access_flags(remote=remote)
         try:
             mr = compat.module("mr").MR(self.pd, length, access, address=address)
         except compat.module("errors").PyverbsError as exc:
@@ -119,6 +119,11 @@ class RdmaResources:
                 f"cannot register {length} bytes ({exc}); raise RLIMIT_MEMLOCK "
                 "(LimitMEMLOCK=infinity in the unit, ulimit -l unlimited)"
             ) from exc
+        self._mrs.append(mr)
+        return mr
+
+    def keep(self, mr: Any) -> Any:
+        """Close ``mr`` (registered elsewhere, e.g. GPU memory) with these resources."""
         self._mrs.append(mr)
         return mr
 
@@ -142,7 +147,7 @@ class RdmaResources:
             raise StartupError("resources not opened")
         addr = compat.module("addr")
         attr = compat.module("qp").QPAttr()
-        attr.qp_access_flags = _access(remote=True)
+        attr.qp_access_flags = access_flags(remote=True)
         attr.port_num = self.gid.port
         attr.path_mtu = self.active_mtu
         attr.dest_qp_num = remote.qpn

@@ -1,7 +1,8 @@
 """The product transport: RDMA WRITE and READ on one RC QP with pyverbs.
 
-Every batch is staged at the start of one registered buffer, posted, and
-waited for by polling the CQ from the event loop. pyverbs' blocking
+Every batch (the WRITEs and READs of one poll) is staged in one registered
+buffer, posted with one signalled WR at its end, and waited for by polling
+the CQ from the event loop. pyverbs' blocking
 completion-channel call holds the GIL on older rdma-core, so it is never
 used: a short spin of ``sleep(0)`` yields (RDMA completes in microseconds on
 real hardware) then a backoff of short sleeps, so the loop keeps serving
@@ -83,41 +84,44 @@ class VerbsTransport(Transport):
         self.resources.to_rts(self.qp, self.local, remote)
         self.remote_addr, self.rkey, self.region_size = addr, rkey, size
 
-    async def write(self, ops: list[WriteOp]) -> None:
+    async def exchange(self, writes: list[WriteOp], reads: list[ReadOp]) -> list[bytes]:
         try:
-            await self._write(ops)
+            return await self._exchange(writes, reads)
         except TransportError as exc:
-            exc.opcode = "write"
+            exc.opcode = "read" if reads else "write"
             raise
 
-    async def _write(self, ops: list[WriteOp]) -> None:
-        for start in range(0, len(ops), POST_CHUNK):
-            chunk = ops[start:start + POST_CHUNK]
-            staged = self._stage(chunk)
+    async def _exchange(self, writes: list[WriteOp], reads: list[ReadOp]) -> list[bytes]:
+        """Stage every WRITE, then room for every READ, in the one staging buffer; post
+        them all (WRITEs unsignalled, READs after the first fenced, the last WR
+        signalled) and wait for that one completion: RC completes a QP's WRs in
+        order, so it covers them all. One doorbell batch, one round trip."""
+        write_at = self._stage(writes)
+        cursor = write_at[-1] + len(writes[-1].data) if writes else 0
+        read_at: list[int] = []
+        for op in reads:
+            self._check(op.offset, op.length)
+            cursor = (cursor + 63) & ~63
+            read_at.append(cursor)
+            cursor += op.length
+        if cursor > self.staging_bytes:
+            raise TransportError(f"batch of {cursor} bytes exceeds staging ({self.staging_bytes})")
+        posts = [(compat.enum("IBV_WR_RDMA_WRITE"), local, len(op.data), op.offset, 0)
+                 for op, local in zip(writes, write_at, strict=True)]
+        fence = compat.enum("IBV_SEND_FENCE")
+        posts += [(compat.enum("IBV_WR_RDMA_READ"), local, op.length, op.offset, fence if i else 0)
+                  for i, (op, local) in enumerate(zip(reads, read_at, strict=True))]
+        for start in range(0, len(posts), POST_CHUNK):
+            chunk = posts[start:start + POST_CHUNK]
             last = 0
-            for i, (op, local) in enumerate(zip(chunk, staged, strict=True)):
-                last = self._post(compat.enum("IBV_WR_RDMA_WRITE"), local, len(op.data),
-                                  op.offset, signaled=i == len(chunk) - 1)
+            for i, (opcode, local, length, remote, flags) in enumerate(chunk):
+                last = self._post(opcode, local, length, remote, flags,
+                                  signaled=i == len(chunk) - 1)
             await self._wait(last)
-
-    async def read(self, op: ReadOp) -> bytes:
-        try:
-            return await self._read(op)
-        except TransportError as exc:
-            exc.opcode = "read"
-            raise
-
-    async def _read(self, op: ReadOp) -> bytes:
-        if op.length > self.staging_bytes:
-            raise TransportError(f"read of {op.length} bytes exceeds staging")
-        self._check(op.offset, op.length)
-        wr_id = self._post(compat.enum("IBV_WR_RDMA_READ"), 0, op.length, op.offset,
-                           signaled=True)
-        await self._wait(wr_id)
         staging = self._staging
         if staging is None:
-            raise TransportError("transport closed during a read")
-        return staging[:op.length]
+            raise TransportError("transport closed during a batch")
+        return [staging[local:local + op.length] for op, local in zip(reads, read_at, strict=True)]
 
     def _stage(self, ops: list[WriteOp]) -> list[int]:
         """Copy each op's bytes into staging, one after another; return their offsets."""
@@ -139,12 +143,12 @@ class VerbsTransport(Transport):
         if offset < 0 or offset + length > self.region_size:
             raise TransportError(f"access [{offset}, {offset + length}) outside the peer region")
 
-    def _post(self, opcode: int, local_offset: int, length: int, remote_offset: int, *,
-              signaled: bool) -> int:
+    def _post(self, opcode: int, local_offset: int, length: int, remote_offset: int,
+              flags: int, *, signaled: bool) -> int:
         wr_mod = compat.module("wr")
         wr_id = next(self._ids)
         sge = wr_mod.SGE(self._address + local_offset, length, self._mr.lkey)
-        flags = compat.enum("IBV_SEND_SIGNALED") if signaled else 0
+        flags |= compat.enum("IBV_SEND_SIGNALED") if signaled else 0
         wr = wr_mod.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge], send_flags=flags)
         wr.set_wr_rdma(self.rkey, self.remote_addr + remote_offset)
         try:

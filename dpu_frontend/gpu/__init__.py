@@ -1,0 +1,1 @@
+"""The GPU half of the ring: the CUDA peer (kernel, launcher, registration)."""

@@ -1,0 +1,1329 @@
+/*
+ * peer_kernel.cu: the CUDA peer, the GPU half of the ring protocol v2.
+ *
+ * Two persistent kernels and the host API of peer_kernel.h:
+ *   - the engine kernel (cooperative launch, engine_blocks x 128 threads)
+ *     runs a step loop: block 0 takes mailbox commands and request records
+ *     in, a grid barrier, every warp advances its sequences and publishes
+ *     response records, a grid barrier, block 0 moves resp_produced;
+ *   - the heartbeat kernel (one warp) beats gpu_ctrl.heartbeat of every
+ *     channel on its own clock, so that a long step never looks like a dead
+ *     GPU to the DPU.
+ * The token source (replay of a corpus, or echo of the prompt) produces the
+ * same token streams as dpu_frontend/peer/engine.py, byte for byte.
+ *
+ * Build (no -rdc: grid-wide sync of cooperative groups needs none):
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC,-Wall -shared \
+ *        dpu_frontend/gpu/peer_kernel.cu -o libdpuf_peer.so
+ * The driver API is reached through cudaGetDriverEntryPointByVersion, so the
+ * library needs no libcuda at link time (-lcuda is accepted, not required).
+ *
+ * Sections: host error handling, device helpers, token source, intake,
+ * publish, engine kernel, heartbeat kernel, host API.
+ */
+#include "peer_kernel.h"
+
+#include <cooperative_groups.h>
+#include <cuda.h>
+#include <cuda/atomic>
+#include <cuda_runtime.h>
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+namespace cg = cooperative_groups;
+
+#define ENGINE_THREADS 128u             /* threads per engine block: 4 warps */
+#define ENGINE_WARPS (ENGINE_THREADS / 32u)
+#define MAX_ENGINE_BLOCKS_DEFAULT 132u  /* engine_blocks == 0: one per SM, at most this */
+#define GPU_REGION_GRANULE (2ull << 20) /* a GPU region is allocated in 2 MiB pages (dma-buf export) */
+#define DESTROY_STOP_TIMEOUT_MS 2000u
+
+/* ======================================================================== */
+/* Host error handling                                                      */
+/* ======================================================================== */
+
+/* The message of the last failure, per calling thread (dpuf_last_error). */
+static __thread char g_last_error[512];
+
+static void set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void set_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+}
+
+/* Driver API entry points, resolved through the runtime: the library then
+ * loads on any machine with the CUDA driver, without a libcuda stub to link. */
+typedef CUresult (*pfn_cuInit)(unsigned int);
+typedef CUresult (*pfn_cuDeviceGet)(CUdevice *, int);
+typedef CUresult (*pfn_cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
+typedef CUresult (*pfn_cuPointerSetAttribute)(const void *, CUpointer_attribute, CUdeviceptr);
+typedef CUresult (*pfn_cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t, CUmemRangeHandleType,
+                                                      unsigned long long);
+typedef CUresult (*pfn_cuGetErrorName)(CUresult, const char **);
+
+struct driver_api {
+    bool ok;
+    char error[256];
+    pfn_cuInit cuInit;
+    pfn_cuDeviceGet cuDeviceGet;
+    pfn_cuDeviceGetAttribute cuDeviceGetAttribute;
+    pfn_cuPointerSetAttribute cuPointerSetAttribute;
+    pfn_cuMemGetHandleForAddressRange cuMemGetHandleForAddressRange;
+    pfn_cuGetErrorName cuGetErrorName;
+};
+
+static bool resolve(driver_api *d, const char *symbol, void **fn, unsigned int version) {
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, fn, version, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == NULL) {
+        snprintf(d->error, sizeof d->error, "driver entry point %s not found: %s (query result %d)", symbol,
+                 cudaGetErrorString(e), (int)q);
+        return false;
+    }
+    return true;
+}
+
+static driver_api load_driver_api(void) {
+    driver_api d;
+    memset(&d, 0, sizeof d);
+    d.ok = resolve(&d, "cuInit", (void **)&d.cuInit, 12000) &&
+           resolve(&d, "cuDeviceGet", (void **)&d.cuDeviceGet, 12000) &&
+           resolve(&d, "cuDeviceGetAttribute", (void **)&d.cuDeviceGetAttribute, 12000) &&
+           resolve(&d, "cuPointerSetAttribute", (void **)&d.cuPointerSetAttribute, 12000) &&
+           resolve(&d, "cuMemGetHandleForAddressRange", (void **)&d.cuMemGetHandleForAddressRange, 12000) &&
+           resolve(&d, "cuGetErrorName", (void **)&d.cuGetErrorName, 12000);
+    return d;
+}
+
+/* The table, resolved once (C++ guarantees a thread-safe static init). */
+static const driver_api *driver(void) {
+    static const driver_api api = load_driver_api();
+    if (!api.ok) set_error("%s", api.error);
+    return api.ok ? &api : NULL;
+}
+
+/* One checker per API flavour; DPUF_CHECK picks it by the result's type, as
+ * the checkCudaErrors of NVIDIA's samples does, but reports instead of
+ * exiting: a library must not kill its host process. */
+static bool cuda_ok(cudaError_t e, const char *call, int line) {
+    if (e == cudaSuccess) return true;
+    set_error("%s failed (peer_kernel.cu:%d): %s: %s", call, line, cudaGetErrorName(e), cudaGetErrorString(e));
+    return false;
+}
+
+static bool cuda_ok(CUresult r, const char *call, int line) {
+    if (r == CUDA_SUCCESS) return true;
+    const char *name = NULL;
+    const driver_api *d = driver();
+    if (d == NULL || d->cuGetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
+    set_error("%s failed (peer_kernel.cu:%d): %s (CUresult %d)", call, line, name ? name : "unknown error", (int)r);
+    return false;
+}
+
+/* In functions returning int: record the failure and return -1. */
+#define DPUF_CHECK(call)                                      \
+    do {                                                      \
+        if (!cuda_ok((call), #call, __LINE__)) return -1;     \
+    } while (0)
+
+/* In cleanup paths: record the failure and go on releasing the rest. */
+#define DPUF_NOTE(call) ((void)cuda_ok((call), #call, __LINE__))
+
+/* ======================================================================== */
+/* Device helpers and GPU-local state                                       */
+/* ======================================================================== */
+
+enum : uint32_t { SEQ_FREE = 0, SEQ_ACTIVE = 1, SEQ_CANCELLED = 2 };
+
+/* One sequence (an admitted GENERATE). GPU memory only: the DPU never sees
+ * it. Written by block 0 at admission, then only by the warp that owns the
+ * entry; the grid barriers order the two. */
+struct seq_entry {
+    uint32_t state;           /* SEQ_* */
+    uint32_t flags;           /* DPUF_FLAG_* of the record */
+    uint64_t request_id;
+    uint64_t cursor;          /* replay: index in the corpus; echo: index in the prompt */
+    uint64_t seed;            /* the record's seed, 0 without DPUF_FLAG_HAS_SEED */
+    uint32_t max_tokens;
+    uint32_t emitted;         /* tokens drawn into records so far */
+    uint32_t prompt_len;
+    uint32_t n_stop;
+    uint32_t stop[DPUF_MAX_STOP_TOKEN_IDS];
+    uint32_t start_pending;   /* replay: the start cursor is still to be hashed */
+    uint32_t prefill_pending; /* the simulated prefill is still to be spent */
+    uint32_t has_pending;     /* a record is drawn and waits for ring space */
+    uint32_t pending_n;       /* its tokens (in chan_state::pending) */
+    uint32_t pending_finish;  /* its DPUF_FINISH_* */
+};
+
+/* The 8 mailbox counters, kept in GPU memory (atomicAdd works there; it must
+ * never be used on the mapped host memory of the mailbox). */
+enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL,
+       CNT_COUNT };
+
+/* Everything the kernel keeps per channel, in GPU memory. */
+struct chan_state {
+    seq_entry *table;            /* max_sequences entries */
+    uint32_t *prompt_pool;       /* max_sequences spans of pool_stride tokens */
+    uint32_t *pending;           /* max_sequences spans of tokens_per_step tokens */
+    uint64_t *shadow;            /* resp_slots: the seq published in each slot (GPU scope) */
+    uint64_t pool_stride;        /* max_prompt_tokens rounded up to 32 (128 bytes) */
+    unsigned long long reserved; /* response positions handed out (atomicCAS) */
+    uint64_t produced;           /* contiguous published prefix = gpu_ctrl.resp_produced */
+    uint64_t next_req_seq;       /* next request record expected (1-based) */
+    uint64_t resp_consumed_snapshot;
+    uint64_t acked;              /* last mailbox command_seq acknowledged */
+    uint32_t epoch;              /* of the current attachment (0: never attached) */
+    uint32_t attached;
+    unsigned long long counters[CNT_COUNT];
+};
+
+/* Grid-wide flags of the engine loop (GPU memory). */
+struct engine_ctl {
+    uint32_t quit; /* block 0 thread 0 decides, everyone reads after the next grid barrier */
+    uint32_t busy; /* some warp served a sequence this step */
+};
+
+struct engine_args {
+    uint8_t *region; /* device address of the region */
+    const dpuf_channel_desc *channels;
+    chan_state *state;
+    dpuf_kernel_block *kblock; /* mapped host memory */
+    dpuf_mailbox *mailboxes;   /* mapped host memory, channel_count of them */
+    engine_ctl *ctl;
+    const uint32_t *corpus;
+    const uint32_t *doc_starts;
+    uint64_t corpus_len;
+    uint32_t doc_count;
+    uint32_t channel_count;
+    uint32_t mode;
+    uint32_t tokens_per_step;
+    uint32_t eos[DPUF_MAX_EOS];
+    uint32_t eos_count;
+    uint64_t step_ns;
+    uint64_t prefill_ns_per_token;
+};
+
+struct heartbeat_args {
+    uint8_t *region;
+    const dpuf_channel_desc *channels;
+    uint32_t channel_count;
+    dpuf_kernel_block *kblock;
+    uint64_t heartbeat_ns;
+};
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Sleep-spin until the global timer reaches deadline_ns. */
+__device__ __forceinline__ void wait_until(uint64_t deadline_ns) {
+    for (uint64_t now = global_timer_ns(); now < deadline_ns; now = global_timer_ns()) {
+        uint64_t left = deadline_ns - now;
+        __nanosleep(left < 1000u ? (unsigned)left : 1000u);
+    }
+}
+
+/* Plain single stores and loads that the compiler may neither merge, split
+ * nor cache: every word the other side reads is one aligned store (protocol
+ * 6.3), and mapped host memory is read back fresh. */
+__device__ __forceinline__ void store_vol_u64(void *p, uint64_t v) { *(volatile uint64_t *)p = v; }
+__device__ __forceinline__ void store_vol_u32(void *p, uint32_t v) { *(volatile uint32_t *)p = v; }
+__device__ __forceinline__ uint64_t load_vol_u64(const void *p) { return *(const volatile uint64_t *)p; }
+__device__ __forceinline__ uint32_t load_vol_u32(const void *p) { return *(const volatile uint32_t *)p; }
+
+/* The shadow array is GPU memory read only by this kernel: device scope is
+ * enough there, and cheaper than the system scope of the region's markers. */
+__device__ __forceinline__ void shadow_store_release(uint64_t *p, uint64_t v) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_device> a(*p);
+    a.store(v, cuda::memory_order_release);
+}
+__device__ __forceinline__ uint64_t shadow_load_acquire(uint64_t *p) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_device> a(*p);
+    return a.load(cuda::memory_order_acquire);
+}
+
+__device__ __forceinline__ dpuf_gpu_ctrl *gpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
+    return (dpuf_gpu_ctrl *)(region + d->gpu_ctrl_offset);
+}
+__device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
+    return (dpuf_dpu_ctrl *)(region + d->dpu_ctrl_offset);
+}
+
+/* ======================================================================== */
+/* Token source (equal to dpu_frontend/peer/engine.py, v2 semantics)         */
+/* ======================================================================== */
+
+/* CRC-32 as zlib computes it (reflected polynomial 0xEDB88320, initial and
+ * final value 0xFFFFFFFF), one byte at a time through a 256-entry table in
+ * constant memory (only lane 0 hashes, so every lookup is a broadcast). The
+ * table is filled at create (crc32_table_init). */
+__constant__ uint32_t c_crc32_table[256];
+
+__device__ __forceinline__ uint32_t crc32_byte(uint32_t crc, uint32_t byte) {
+    return c_crc32_table[(crc ^ byte) & 0xffu] ^ (crc >> 8);
+}
+
+/* One token: its 4 bytes, little-endian. */
+__device__ __forceinline__ uint32_t crc32_token(uint32_t crc, uint32_t t) {
+    return crc32_byte(crc32_byte(crc32_byte(crc32_byte(crc, t), t >> 8), t >> 16), t >> 24);
+}
+
+/* Replay start (dpu_frontend/peer/engine.py: replay_start): CRC-32 of every
+ * prompt token (4 bytes LE), the seed (8 bytes LE, 0 without HAS_SEED) and one
+ * byte HAS_SEED; modulo the document count, it picks the document. The prompt
+ * is the entry's pool copy (GPU memory, a span of whole 128-byte chunks), read
+ * 8 x 16 bytes at a time so that the loads of a chunk overlap instead of each
+ * stalling the serial hash. */
+__device__ uint64_t replay_start_cursor(const engine_args &a, const uint32_t *prompt, uint32_t len, uint64_t seed,
+                                        bool has_seed) {
+    uint32_t h = 0xffffffffu;
+    const uint4 *chunk = (const uint4 *)prompt;
+    for (uint32_t k = 0; k < len / 32u; k++, chunk += 8) {
+        uint4 v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = chunk[i];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            h = crc32_token(crc32_token(crc32_token(crc32_token(h, v[i].x), v[i].y), v[i].z), v[i].w);
+    }
+    for (uint32_t i = len / 32u * 32u; i < len; i++) h = crc32_token(h, prompt[i]);
+    for (int k = 0; k < 8; k++) h = crc32_byte(h, (uint32_t)(seed >> (8 * k)));
+    h = crc32_byte(h, has_seed ? 1u : 0u);
+    h ^= 0xffffffffu;
+    return a.doc_starts[h % a.doc_count];
+}
+
+__device__ __forceinline__ bool is_eos(const engine_args &a, uint32_t t) {
+    bool hit = false;
+#pragma unroll
+    for (uint32_t i = 0; i < DPUF_MAX_EOS; i++) hit |= (i < a.eos_count) & (a.eos[i] == t);
+    return hit;
+}
+
+/* One step of one ACTIVE sequence: at most K tokens into out[], and the
+ * finish reason. Runs on the owning warp's lane 0. */
+__device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *prompt, uint32_t *out,
+                          uint32_t *n_out, uint32_t *finish_out) {
+    uint32_t stop[DPUF_MAX_STOP_TOKEN_IDS];
+#pragma unroll
+    for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) stop[i] = en->stop[i];
+    const uint32_t n_stop = en->n_stop;
+    const bool ignore_eos = (en->flags & DPUF_FLAG_IGNORE_EOS) != 0;
+    const uint32_t max_tokens = en->max_tokens;
+    const uint32_t prompt_len = en->prompt_len;
+    uint32_t emitted = en->emitted;
+    uint64_t cursor = en->cursor;
+    uint32_t n = 0, finish = DPUF_FINISH_NONE;
+
+    while (n < a.tokens_per_step && emitted + n < max_tokens) {
+        uint32_t t;
+        if (a.mode == DPUF_MODE_ECHO) {
+            if (cursor >= prompt_len) { /* the source has ended */
+                finish = DPUF_FINISH_STOP;
+                break;
+            }
+            t = prompt[cursor++];
+        } else { /* replay walks the corpus cyclically: it never ends */
+            t = __ldg(a.corpus + cursor);
+            cursor = (cursor + 1 == a.corpus_len) ? 0 : cursor + 1;
+        }
+        const bool eos = is_eos(a, t);
+        if (eos && ignore_eos) continue; /* skipped: not emitted, not counted */
+        bool stop_hit = false;
+#pragma unroll
+        for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) stop_hit |= (i < n_stop) & (stop[i] == t);
+        if (eos || stop_hit) { /* the stop token itself is not emitted */
+            finish = DPUF_FINISH_STOP;
+            break;
+        }
+        out[n++] = t;
+    }
+    emitted += n;
+    if (finish == DPUF_FINISH_NONE && emitted >= max_tokens) finish = DPUF_FINISH_LENGTH;
+    en->emitted = emitted;
+    en->cursor = cursor;
+    *n_out = n;
+    *finish_out = finish;
+}
+
+/* ======================================================================== */
+/* Intake: mailbox commands and request records (block 0, all threads)      */
+/* ======================================================================== */
+
+enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
+enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
+
+/* Block 0's scratch: thread 0 reads a record or a command, the block acts on
+ * it together. Every value is written by thread 0, read by all after a
+ * __syncthreads, and not rewritten before the next __syncthreads. */
+struct intake_smem {
+    uint32_t words[32];     /* the request record (words 0-1: commit) */
+    uint64_t command_seq;
+    uint32_t action;        /* M_* or V_* */
+    uint32_t arg_epoch;
+    int entry;              /* a FREE entry (GENERATE) or the target (CANCEL); INT_MAX: none */
+    int duplicate;          /* a non-FREE entry has this request_id */
+};
+
+/* Reset the channel for a new attachment. Block 0 runs it between the grid
+ * barriers, while every other warp is parked at the barrier: no step is
+ * publishing for this channel while its rings and table are cleared. That
+ * is THE reason the engine is a step loop with grid barriers. */
+__device__ void reset_channel(const engine_args &a, uint32_t c, uint32_t new_epoch) {
+    const dpuf_channel_desc *d = a.channels + c;
+    chan_state *st = a.state + c;
+    for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
+        st->table[e].state = SEQ_FREE; /* no record is published for them */
+        st->table[e].has_pending = 0;
+    }
+    /* A stale commit of the last attachment would pass for record seq of
+     * the new one; a stale seq for a response the DPU has not read. */
+    for (uint32_t s = threadIdx.x; s < d->req_slots; s += blockDim.x)
+        store_vol_u64(a.region + d->req_ring_offset + (uint64_t)s * d->req_slot_size, 0);
+    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) {
+        store_vol_u64(a.region + d->resp_ring_offset + (uint64_t)s * d->resp_slot_size, 0);
+        st->shadow[s] = 0;
+    }
+    if (threadIdx.x == 0) {
+        dpuf_gpu_ctrl *gc = gpu_ctrl_of(a.region, d);
+        store_vol_u64(&gc->resp_produced, 0);
+        store_vol_u64(&gc->req_consumed, 0);
+        /* The only store of the GPU into the DPU's block: no DPU is attached. */
+        store_vol_u64(&dpu_ctrl_of(a.region, d)->resp_consumed, 0);
+        /* gpu_ctrl.heartbeat is left alone: it is monotonic across attachments. */
+        st->reserved = 0;
+        st->produced = 0;
+        st->next_req_seq = 1;
+        st->resp_consumed_snapshot = 0;
+    }
+    /* Every thread's zeroes reach the system before the new epoch does: a
+     * DPU that sees the epoch sees clean rings and counters. */
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        st->epoch = new_epoch;
+        st->attached = 1;
+        dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->epoch, new_epoch);
+    }
+}
+
+/* Run the channel's pending mailbox command, if any (block 0). */
+__device__ void run_mailbox(const engine_args &a, uint32_t c, intake_smem *sm) {
+    chan_state *st = a.state + c;
+    dpuf_mailbox *mb = a.mailboxes + c;
+    if (threadIdx.x == 0) {
+        /* Acquire: the host wrote command and arg_epoch before command_seq. */
+        const uint64_t cs = dpuf_load_acquire_sys(&mb->command_seq);
+        uint32_t action = M_NONE;
+        if (cs != st->acked) {
+            const uint32_t command = load_vol_u32(&mb->command);
+            sm->arg_epoch = load_vol_u32(&mb->arg_epoch);
+            if (command == DPUF_CMD_ATTACH)
+                action = sm->arg_epoch > st->epoch ? M_ATTACH : M_BAD_EPOCH;
+            else if (command == DPUF_CMD_DETACH)
+                action = M_DETACH;
+            else
+                action = M_BAD_COMMAND;
+        }
+        sm->command_seq = cs;
+        sm->action = action;
+    }
+    __syncthreads();
+    const uint32_t action = sm->action;
+    const uint32_t arg_epoch = sm->arg_epoch;
+    const uint64_t cs = sm->command_seq;
+    __syncthreads();
+    if (action == M_NONE) return;
+
+    if (action == M_ATTACH) reset_channel(a, c, arg_epoch);
+    if (action == M_DETACH) {
+        for (uint32_t e = threadIdx.x; e < a.channels[c].max_sequences; e += blockDim.x) {
+            st->table[e].state = SEQ_FREE;
+            st->table[e].has_pending = 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t error = DPUF_MBX_OK;
+        if (action == M_BAD_EPOCH) error = DPUF_MBX_BAD_EPOCH; /* refused, the attachment stands */
+        if (action == M_BAD_COMMAND) error = DPUF_MBX_BAD_COMMAND;
+        if (action == M_ATTACH) store_vol_u32(&mb->state, DPUF_STATE_ATTACHED);
+        if (action == M_DETACH) {
+            st->attached = 0;
+            store_vol_u32(&mb->state, DPUF_STATE_DETACHED);
+        }
+        store_vol_u32(&mb->error, error);
+        st->acked = cs;
+        /* Release: state and error are visible before the host sees the ack. */
+        dpuf_store_release_sys(&mb->ack_seq, cs);
+    }
+}
+
+/* Copy a prompt out of the arena into the entry's pool span, all threads of
+ * block 0 together. ld.cv: the arena span is rewritten for later requests,
+ * a cached copy could be a previous prompt. Both ends are 16-byte aligned
+ * (arena_offset % 128 == 0, pool spans of 32k tokens), so most of it moves
+ * as uint4, four loads in flight per thread. */
+__device__ void copy_prompt(const uint32_t *src, uint32_t *dst, uint32_t len) {
+    const uint4 *src4 = (const uint4 *)src;
+    uint4 *dst4 = (uint4 *)dst;
+    const uint32_t n4 = len / 4u, nt = blockDim.x;
+    for (uint32_t base = 0; base < n4; base += 4u * nt) {
+        uint4 v[4];
+#pragma unroll
+        for (uint32_t k = 0; k < 4; k++) {
+            const uint32_t i = base + k * nt + threadIdx.x;
+            if (i < n4) v[k] = __ldcv(src4 + i);
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < 4; k++) {
+            const uint32_t i = base + k * nt + threadIdx.x;
+            if (i < n4) dst4[i] = v[k];
+        }
+    }
+    for (uint32_t i = n4 * 4u + threadIdx.x; i < len; i += nt) dst[i] = dpuf_load_fresh_u32(src + i);
+}
+
+/* Thread 0: read and check record seq; V_NONE while it is not committed. */
+__device__ uint32_t read_record(const engine_args &a, uint32_t c, uint64_t seq, intake_smem *sm) {
+    const dpuf_channel_desc *d = a.channels + c;
+    const chan_state *st = a.state + c;
+    const uint8_t *slot = a.region + dpuf_req_slot_offset(d, seq);
+    /* Acquire, system scope: the writer is a NIC or a CPU; the body was
+     * written before the commit word (protocol 6.1). */
+    if (dpuf_load_acquire_sys((const volatile uint64_t *)slot) != seq) return V_NONE;
+    /* The body, fresh (ld.global.cv, as dpuf_load_fresh_u32 but 8 and 16
+     * bytes wide): the slot is reused every lap of the ring, a cached line
+     * could hold the last lap's record. All eight loads are issued before
+     * the first result is used, so the body costs one PCIe round trip. */
+    const uint2 head = __ldcv((const uint2 *)(slot + 8));
+    uint4 body[7];
+#pragma unroll
+    for (int i = 0; i < 7; i++) body[i] = __ldcv((const uint4 *)(slot + 16) + i);
+    sm->words[2] = head.x;
+    sm->words[3] = head.y;
+#pragma unroll
+    for (int i = 0; i < 7; i++) {
+        sm->words[4 + 4 * i] = body[i].x;
+        sm->words[5 + 4 * i] = body[i].y;
+        sm->words[6 + 4 * i] = body[i].z;
+        sm->words[7 + 4 * i] = body[i].w;
+    }
+    const uint32_t *wd = sm->words;
+    const uint32_t kind = wd[2];
+    const uint64_t arena_off = wd[6] | ((uint64_t)wd[7] << 32);
+    const uint32_t prompt_len = wd[8], max_tokens = wd[9], n_stop = wd[19], epoch = wd[28];
+    if (epoch != st->epoch) return V_BAD; /* written for another attachment */
+    if (kind == DPUF_KIND_CANCEL) return V_CANCEL;
+    if (kind != DPUF_KIND_GENERATE) return V_BAD;
+    if (n_stop > DPUF_MAX_STOP_TOKEN_IDS || max_tokens == 0 || arena_off % DPUF_ALIGN != 0) return V_BAD;
+    if (arena_off > d->arena_size || 4ull * prompt_len > d->arena_size - arena_off) return V_BAD;
+    if (prompt_len > d->max_prompt_tokens) return V_BAD;
+    return V_GENERATE;
+}
+
+/* Take in every committed record of one attached channel (block 0). Returns
+ * whether anything was consumed (the same value in every thread). */
+__device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm) {
+    const dpuf_channel_desc *d = a.channels + c;
+    chan_state *st = a.state + c;
+    const uint64_t first = st->next_req_seq;
+    uint64_t seq = first; /* every thread keeps the same copy */
+    for (;;) {
+        if (threadIdx.x == 0) {
+            sm->action = read_record(a, c, seq, sm);
+            sm->entry = INT_MAX;
+            sm->duplicate = 0;
+        }
+        __syncthreads();
+        uint32_t verdict = sm->action;
+        if (verdict == V_NONE) break; /* not committed yet: the walk ends */
+        const uint64_t request_id = sm->words[4] | ((uint64_t)sm->words[5] << 32);
+
+        /* Scan the table together: a duplicate id and a FREE entry for a
+         * GENERATE, the ACTIVE target of a CANCEL. */
+        if (verdict == V_GENERATE || verdict == V_CANCEL) {
+            for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
+                const seq_entry *en = st->table + e;
+                const uint32_t state = en->state;
+                if (verdict == V_GENERATE) {
+                    if (state != SEQ_FREE && en->request_id == request_id) sm->duplicate = 1;
+                    if (state == SEQ_FREE) atomicMin(&sm->entry, (int)e);
+                } else if (state == SEQ_ACTIVE && en->request_id == request_id) {
+                    atomicMin(&sm->entry, (int)e);
+                }
+            }
+        }
+        __syncthreads();
+        const int entry = sm->entry;
+        /* A duplicate id, or no FREE entry (the DPU broke its max_sequences
+         * window): refused like any bad record. */
+        if (verdict == V_GENERATE && (sm->duplicate || entry == INT_MAX)) verdict = V_BAD;
+
+        if (verdict == V_GENERATE) {
+            const uint64_t arena_off = sm->words[6] | ((uint64_t)sm->words[7] << 32);
+            const uint32_t prompt_len = sm->words[8];
+            copy_prompt((const uint32_t *)(a.region + d->arena_offset + arena_off),
+                        st->prompt_pool + (uint64_t)entry * st->pool_stride, prompt_len);
+            __syncthreads(); /* the copy is complete before req_consumed can move */
+        }
+        if (threadIdx.x == 0) {
+            const uint32_t *wd = sm->words;
+            if (verdict == V_BAD) atomicAdd(&st->counters[CNT_BAD], 1ull);
+            if (verdict == V_CANCEL && entry != INT_MAX) {
+                /* Unknown or finished target: ignored, not bad. */
+                st->table[entry].state = SEQ_CANCELLED;
+                atomicAdd(&st->counters[CNT_CANCELLED], 1ull);
+            }
+            if (verdict == V_GENERATE) {
+                seq_entry *en = st->table + entry;
+                const bool has_seed = (wd[3] & DPUF_FLAG_HAS_SEED) != 0;
+                en->flags = wd[3];
+                en->request_id = request_id;
+                en->prompt_len = wd[8];
+                en->max_tokens = wd[9];
+                en->seed = has_seed ? (wd[14] | ((uint64_t)wd[15] << 32)) : 0;
+                en->n_stop = wd[19];
+                for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[20 + i];
+                en->emitted = 0;
+                en->cursor = 0; /* echo starts at the first prompt token */
+                /* The replay start is hashed by the owning warp in the next
+                 * phase: an FNV pass over a 32K-token prompt is serial work
+                 * that would hold up every channel's intake here. */
+                en->start_pending = a.mode == DPUF_MODE_REPLAY;
+                en->prefill_pending = a.prefill_ns_per_token != 0 && wd[8] != 0;
+                en->has_pending = 0;
+                en->state = SEQ_ACTIVE;
+                atomicAdd(&st->counters[CNT_ADMITTED], 1ull);
+            }
+            atomicAdd(&st->counters[CNT_RECORDS], 1ull);
+        }
+        seq++;
+        __syncthreads(); /* sm is rewritten for the next record */
+    }
+    __syncthreads();
+    const bool consumed = seq != first;
+    if (threadIdx.x == 0) {
+        if (consumed) {
+            st->next_req_seq = seq;
+            /* Prompt copied out before req_consumed moves: the DPU reuses
+             * the slots and arena spans it covers as soon as it sees it. */
+            __threadfence_system();
+            dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->req_consumed, seq - 1);
+        }
+        /* The DPU's read index, once per step: the publish phase reserves
+         * positions against this snapshot (acquire: written by a NIC/CPU). */
+        st->resp_consumed_snapshot = dpuf_load_acquire_sys(&dpu_ctrl_of(a.region, d)->resp_consumed);
+    }
+    return consumed;
+}
+
+/* ======================================================================== */
+/* Publish (every warp, the entries it owns)                                */
+/* ======================================================================== */
+
+/* A response position p with p - resp_consumed_snapshot < resp_slots. The
+ * CAS loop never hands out a position the DPU has not released. */
+__device__ bool reserve_position(chan_state *st, const dpuf_channel_desc *d, uint64_t *p_out) {
+    const uint64_t consumed = st->resp_consumed_snapshot;
+    unsigned long long p = *(volatile unsigned long long *)&st->reserved;
+    for (;;) {
+        if (!dpuf_resp_fits(d, p, consumed)) return false;
+        const unsigned long long seen = atomicCAS(&st->reserved, p, p + 1);
+        if (seen == p) {
+            *p_out = p;
+            return true;
+        }
+        p = seen;
+    }
+}
+
+/* Advance one sequence by a step and publish its record if the ring has
+ * room. All 32 lanes call it; lane 0 does the scalar work, the lanes store
+ * the tokens together. */
+__device__ void serve_entry(const engine_args &a, uint32_t c, uint32_t e, uint32_t lane) {
+    const dpuf_channel_desc *d = a.channels + c;
+    chan_state *st = a.state + c;
+    seq_entry *en = st->table + e;
+    uint32_t *pend = st->pending + (uint64_t)e * a.tokens_per_step;
+    uint32_t publish = 0, n = 0, finish = DPUF_FINISH_NONE;
+    uint64_t p = 0;
+
+    if (lane == 0) {
+        if (en->state == SEQ_CANCELLED) {
+            /* The final record replaces whatever was waiting: buffered
+             * tokens are discarded. */
+            en->pending_n = 0;
+            en->pending_finish = DPUF_FINISH_CANCELLED;
+            en->has_pending = 1;
+        } else {
+            const uint32_t *prompt = st->prompt_pool + (uint64_t)e * st->pool_stride;
+            if (en->start_pending) {
+                en->cursor = replay_start_cursor(a, prompt, en->prompt_len, en->seed,
+                                                 (en->flags & DPUF_FLAG_HAS_SEED) != 0);
+                en->start_pending = 0;
+            }
+            if (en->prefill_pending) {
+                /* A long prefill inside one step: the whole grid waits for
+                 * it at the next barrier, the heartbeat warp does not. */
+                wait_until(global_timer_ns() + a.prefill_ns_per_token * en->prompt_len);
+                en->prefill_pending = 0;
+            }
+            if (!en->has_pending) {
+                uint32_t dn, df;
+                draw_step(a, en, prompt, pend, &dn, &df);
+                en->pending_n = dn;
+                en->pending_finish = df;
+                en->has_pending = dn != 0 || df != DPUF_FINISH_NONE;
+            }
+        }
+        if (en->has_pending) {
+            n = en->pending_n;
+            finish = en->pending_finish;
+            if (reserve_position(st, d, &p))
+                publish = 1;
+            else /* the ring is full: the record waits for the next step, nothing is dropped */
+                atomicAdd(&st->counters[CNT_RING_FULL], 1ull);
+        }
+    }
+    publish = __shfl_sync(0xffffffffu, publish, 0);
+    if (!publish) return;
+    n = __shfl_sync(0xffffffffu, n, 0);
+    finish = __shfl_sync(0xffffffffu, finish, 0);
+    p = __shfl_sync(0xffffffffu, p, 0);
+    __syncwarp(); /* lane 0's pending tokens are visible to the other lanes */
+
+    /* Body first: the header fields and the tokens, plain single stores (the
+     * slot may be host memory the DPU process reads). */
+    uint8_t *slot = a.region + dpuf_resp_slot_offset(d, p);
+    for (uint32_t i = lane; i < n; i += 32) store_vol_u32(slot + DPUF_RESPONSE_HEADER_SIZE + 4u * i, pend[i]);
+    if (lane == 0) {
+        store_vol_u64(slot + 8, en->request_id);
+        store_vol_u32(slot + 16, st->epoch);
+        /* n_tokens (u16), finish (u8), flags (u8, zero) as one LE word */
+        store_vol_u32(slot + 20, (n & 0xffffu) | ((finish & 0xffu) << 16));
+        store_vol_u64(slot + 24, 0); /* reserved */
+    }
+    /* Body, fence, then seq (protocol 6.2): every lane fences its own
+     * stores at system scope, the warp meets, lane 0 publishes. */
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        dpuf_store_release_sys((volatile uint64_t *)slot, p + 1);
+        /* For block 0's producer walk: release at GPU scope suffices, the
+         * reader is this kernel. */
+        shadow_store_release(st->shadow + p % d->resp_slots, p + 1);
+        atomicAdd(&st->counters[CNT_PUBLISHED], 1ull);
+        atomicAdd(&st->counters[CNT_TOKENS], (unsigned long long)n);
+        en->has_pending = 0;
+        if (finish != DPUF_FINISH_NONE) { /* the last record of the sequence */
+            atomicAdd(&st->counters[CNT_COMPLETED], 1ull);
+            en->state = SEQ_FREE;
+        }
+    }
+    __syncwarp();
+}
+
+/* Phase 3: every warp serves the entries it owns. The entries of all
+ * channels are numbered in one sequence (channel by channel) and dealt to the
+ * warps round-robin, so that several channels spread over the whole grid. */
+__device__ void serve_all(const engine_args &a) {
+    const uint32_t lane = threadIdx.x & 31u;
+    const uint32_t total_warps = gridDim.x * (blockDim.x / 32u);
+    const uint32_t w = blockIdx.x * (blockDim.x / 32u) + threadIdx.x / 32u;
+    uint64_t base = 0;
+    bool busy = false;
+    for (uint32_t c = 0; c < a.channel_count; c++) {
+        const uint32_t max_seq = a.channels[c].max_sequences;
+        const chan_state *st = a.state + c;
+        if (st->attached) {
+            /* first e >= 0 with (base + e) % total_warps == w */
+            uint64_t e = (w + total_warps - base % total_warps) % total_warps;
+            for (; e < max_seq; e += total_warps) {
+                uint32_t state = lane == 0 ? st->table[e].state : 0;
+                state = __shfl_sync(0xffffffffu, state, 0);
+                if (state == SEQ_FREE) continue;
+                busy = true;
+                serve_entry(a, c, (uint32_t)e, lane);
+            }
+        }
+        base += max_seq;
+    }
+    if (busy && lane == 0) store_vol_u32(&a.ctl->busy, 1);
+}
+
+/* ======================================================================== */
+/* Engine kernel                                                            */
+/* ======================================================================== */
+
+/* Block 0 thread 0, after the publish phase: move resp_produced over the
+ * contiguous published prefix and mirror the counters. */
+__device__ void finish_step(const engine_args &a) {
+    for (uint32_t c = 0; c < a.channel_count; c++) {
+        const dpuf_channel_desc *d = a.channels + c;
+        chan_state *st = a.state + c;
+        if (st->attached) {
+            uint64_t produced = st->produced;
+            const uint64_t before = produced;
+            /* Positions are reserved in any order across warps, so the
+             * producer index only moves over a contiguous published prefix. */
+            while (shadow_load_acquire(st->shadow + produced % d->resp_slots) == produced + 1) produced++;
+            if (produced != before) {
+                st->produced = produced;
+                __threadfence_system(); /* the records' seq words before the index */
+                dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->resp_produced, produced);
+            }
+        }
+        /* Relaxed single stores into mapped host memory, never atomics. */
+        dpuf_mailbox *mb = a.mailboxes + c;
+        const volatile unsigned long long *k = st->counters;
+        store_vol_u64(&mb->records, k[CNT_RECORDS]);
+        store_vol_u64(&mb->admitted, k[CNT_ADMITTED]);
+        store_vol_u64(&mb->completed, k[CNT_COMPLETED]);
+        store_vol_u64(&mb->cancelled, k[CNT_CANCELLED]);
+        store_vol_u64(&mb->bad_records, k[CNT_BAD]);
+        store_vol_u64(&mb->tokens, k[CNT_TOKENS]);
+        store_vol_u64(&mb->published, k[CNT_PUBLISHED]);
+        store_vol_u64(&mb->ring_full_waits, k[CNT_RING_FULL]);
+    }
+}
+
+__global__ void __launch_bounds__(ENGINE_THREADS, 1) engine_kernel(const __grid_constant__ engine_args a) {
+    cg::grid_group grid = cg::this_grid();
+    __shared__ intake_smem sm;
+    const bool leader = blockIdx.x == 0;
+    uint64_t steps = 0, step_start = 0;
+    bool took = false; /* block 0: some record was consumed this step */
+
+    if (leader && threadIdx.x == 0) dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_RUNNING);
+    for (;;) {
+        /* 1. Block 0: mailbox commands, then request intake. */
+        if (leader) {
+            __syncthreads(); /* thread 0's quit decision of the last step */
+            if (!load_vol_u32(&a.ctl->quit)) {
+                step_start = global_timer_ns();
+                for (uint32_t c = 0; c < a.channel_count; c++) run_mailbox(a, c, &sm);
+                took = false;
+                for (uint32_t c = 0; c < a.channel_count; c++) {
+                    __syncthreads(); /* attach/detach of thread 0 seen by all */
+                    if (a.state[c].attached) took |= intake_channel(a, c, &sm);
+                }
+            }
+        }
+        /* 2. Everything block 0 changed (tables, counters, snapshots, quit)
+         *    is visible to the grid past this barrier. */
+        grid.sync();
+        if (load_vol_u32(&a.ctl->quit)) break; /* every block leaves together */
+
+        /* 3. Every warp: advance and publish its sequences. */
+        serve_all(a);
+
+        /* 4. Every record reserved this step is published past this barrier. */
+        grid.sync();
+
+        /* 5. Block 0 thread 0: producer index, counters, pacing, stop. */
+        if (leader && threadIdx.x == 0) {
+            finish_step(a);
+            store_vol_u64(&a.kblock->steps, ++steps);
+            if (a.step_ns) wait_until(step_start + a.step_ns);
+            bool attached = false;
+            for (uint32_t c = 0; c < a.channel_count; c++) attached |= a.state[c].attached != 0;
+            const bool busy = load_vol_u32(&a.ctl->busy) != 0;
+            store_vol_u32(&a.ctl->busy, 0);
+            /* Idle: poll the host memory less often (PCIe and power). */
+            if (!attached || (!busy && !took)) __nanosleep(2000);
+            /* Decided here, read by every block after the next barrier, so
+             * that all leave the loop at the same step. */
+            if (dpuf_load_acquire_sys(&a.kblock->stop) != 0) store_vol_u32(&a.ctl->quit, 1);
+        }
+    }
+    if (leader && threadIdx.x == 0) {
+        finish_step(a);
+        dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_STOPPED);
+    }
+}
+
+/* ======================================================================== */
+/* Heartbeat kernel                                                         */
+/* ======================================================================== */
+
+/* One warp, lane 0, on its own clock: it never waits on the engine, so a
+ * 32K-token prefill inside one step never stops the heartbeat. */
+__global__ void heartbeat_kernel(const heartbeat_args a) {
+    if (threadIdx.x != 0) return;
+    /* Go on from the highest value in the region: monotonic even if the
+     * region was beaten by an earlier peer. */
+    uint64_t beat = 0;
+    for (uint32_t c = 0; c < a.channel_count; c++) {
+        const uint64_t v = load_vol_u64(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat);
+        beat = v > beat ? v : beat;
+    }
+    uint64_t beats = 0, next = global_timer_ns();
+    while (dpuf_load_acquire_sys(&a.kblock->stop) == 0) {
+        const uint64_t now = global_timer_ns();
+        if (now < next) {
+            const uint64_t left = next - now;
+            __nanosleep(left < 100000u ? (unsigned)left : 100000u); /* see stop within 0.1 ms */
+            continue;
+        }
+        ++beat;
+        for (uint32_t c = 0; c < a.channel_count; c++)
+            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat, beat);
+        store_vol_u64(&a.kblock->heartbeats, ++beats);
+        next += a.heartbeat_ns;
+        if (next <= now) next = now + a.heartbeat_ns; /* after a stall: no burst of beats */
+    }
+}
+
+/* ======================================================================== */
+/* Host API                                                                 */
+/* ======================================================================== */
+
+struct dpuf_peer {
+    int device;
+    uint32_t channel_count;
+    chan_state *h_state;         /* host copy of the per-channel state (for freeing) */
+    engine_args eargs;
+    heartbeat_args hargs;
+    uint64_t region_size;
+    bool region_is_host;
+    bool region_registered;
+    void *region_host;           /* host mapping (host region) */
+    uint8_t *region_dev;         /* device address of the region */
+    size_t region_alloc;         /* bytes allocated (GPU region) */
+    dpuf_channel_desc *d_channels;
+    uint32_t *d_corpus;
+    uint32_t *d_doc_starts;
+    void *mbx_host;              /* kernel block + mailboxes, pinned and mapped */
+    void *mbx_dev;
+    chan_state *d_state;
+    engine_ctl *d_ctl;
+    cudaStream_t hb_stream;
+    cudaStream_t engine_stream;
+    uint32_t engine_blocks;
+    bool launched;
+};
+
+static bool range_inside(uint64_t off, uint64_t len, uint64_t size) { return off <= size && len <= size - off; }
+
+static bool validate_params(const dpuf_peer_params *p) {
+    if (p == NULL) return set_error("params is NULL"), false;
+    if (p->mode != DPUF_MODE_REPLAY && p->mode != DPUF_MODE_ECHO)
+        return set_error("mode %u is neither DPUF_MODE_REPLAY (0) nor DPUF_MODE_ECHO (1)", p->mode), false;
+    if (p->eos_count > DPUF_MAX_EOS) return set_error("eos_count %u > %u", p->eos_count, DPUF_MAX_EOS), false;
+    if (p->channels == NULL || p->channel_count == 0)
+        return set_error("no channels (channels NULL or channel_count 0)"), false;
+    if (p->region_size == 0) return set_error("region_size is 0"), false;
+    if (p->heartbeat_ns == 0) return set_error("heartbeat_ns must be >= 1"), false;
+    if (p->tokens_per_step == 0 || p->tokens_per_step > 0xffffu)
+        return set_error("tokens_per_step %u is not in 1..65535", p->tokens_per_step), false;
+    for (uint32_t c = 0; c < p->channel_count; c++) {
+        const dpuf_channel_desc *d = p->channels + c;
+        if (d->req_slots == 0 || d->req_slot_size != DPUF_REQUEST_SLOT_SIZE)
+            return set_error("channel %u: req_slots %u, req_slot_size %u (want >= 1 and %u)", c, d->req_slots,
+                             d->req_slot_size, DPUF_REQUEST_SLOT_SIZE), false;
+        if (d->resp_slots == 0 || d->resp_slot_size < DPUF_MIN_RESPONSE_SLOT_SIZE || d->resp_slot_size % 32u)
+            return set_error("channel %u: resp_slots %u, resp_slot_size %u (want >= 1, a multiple of 32 >= %u)", c,
+                             d->resp_slots, d->resp_slot_size, DPUF_MIN_RESPONSE_SLOT_SIZE), false;
+        if (d->max_sequences == 0) return set_error("channel %u: max_sequences is 0", c), false;
+        if (p->tokens_per_step > dpuf_tokens_per_record(d->resp_slot_size))
+            return set_error("channel %u: tokens_per_step %u > %u tokens per response record", c,
+                             p->tokens_per_step, dpuf_tokens_per_record(d->resp_slot_size)), false;
+        if (d->arena_size % DPUF_ALIGN)
+            return set_error("channel %u: arena_size %llu is not a multiple of %u", c,
+                             (unsigned long long)d->arena_size, DPUF_ALIGN), false;
+        const struct { const char *name; uint64_t off, len; } blocks[] = {
+            {"gpu_ctrl", d->gpu_ctrl_offset, DPUF_CTRL_SIZE},
+            {"dpu_ctrl", d->dpu_ctrl_offset, DPUF_CTRL_SIZE},
+            {"request ring", d->req_ring_offset, (uint64_t)d->req_slots * d->req_slot_size},
+            {"prompt arena", d->arena_offset, d->arena_size},
+            {"response ring", d->resp_ring_offset, (uint64_t)d->resp_slots * d->resp_slot_size},
+        };
+        for (const auto &b : blocks) {
+            if (b.off % DPUF_ALIGN)
+                return set_error("channel %u: %s offset %llu is not %u-aligned", c, b.name,
+                                 (unsigned long long)b.off, DPUF_ALIGN), false;
+            if (!range_inside(b.off, b.len, p->region_size))
+                return set_error("channel %u: %s [%llu, +%llu) lies outside the region (%llu bytes)", c, b.name,
+                                 (unsigned long long)b.off, (unsigned long long)b.len,
+                                 (unsigned long long)p->region_size), false;
+        }
+    }
+    if (p->mode == DPUF_MODE_REPLAY) {
+        if (p->corpus == NULL || p->corpus_len == 0) return set_error("replay needs a corpus (corpus_len >= 1)"), false;
+        if (p->doc_starts == NULL || p->doc_count == 0)
+            return set_error("replay needs documents (doc_count >= 1)"), false;
+        for (uint32_t i = 0; i < p->doc_count; i++)
+            if (p->doc_starts[i] >= p->corpus_len)
+                return set_error("doc_starts[%u] = %u is past the corpus (%llu tokens)", i, p->doc_starts[i],
+                                 (unsigned long long)p->corpus_len), false;
+        /* A corpus of EOS ids only would spin forever under IGNORE_EOS. */
+        bool has_word = false;
+        for (uint64_t i = 0; i < p->corpus_len && !has_word; i++) {
+            bool eos = false;
+            for (uint32_t k = 0; k < p->eos_count; k++) eos |= p->corpus[i] == p->eos[k];
+            has_word = !eos;
+        }
+        if (!has_word) return set_error("the replay corpus holds nothing but EOS ids"), false;
+    }
+    return true;
+}
+
+/* Free everything, best effort: a failure is recorded and the rest is
+ * still released. */
+static void peer_release(dpuf_peer *peer) {
+    if (peer->hb_stream) DPUF_NOTE(cudaStreamDestroy(peer->hb_stream));
+    if (peer->engine_stream) DPUF_NOTE(cudaStreamDestroy(peer->engine_stream));
+    if (peer->h_state) {
+        for (uint32_t c = 0; c < peer->channel_count; c++) {
+            chan_state *s = peer->h_state + c;
+            if (s->table) DPUF_NOTE(cudaFree(s->table));
+            if (s->prompt_pool) DPUF_NOTE(cudaFree(s->prompt_pool));
+            if (s->pending) DPUF_NOTE(cudaFree(s->pending));
+            if (s->shadow) DPUF_NOTE(cudaFree(s->shadow));
+        }
+    }
+    if (peer->d_state) DPUF_NOTE(cudaFree(peer->d_state));
+    if (peer->d_ctl) DPUF_NOTE(cudaFree(peer->d_ctl));
+    if (peer->d_channels) DPUF_NOTE(cudaFree(peer->d_channels));
+    if (peer->d_corpus) DPUF_NOTE(cudaFree(peer->d_corpus));
+    if (peer->d_doc_starts) DPUF_NOTE(cudaFree(peer->d_doc_starts));
+    if (peer->mbx_host) DPUF_NOTE(cudaFreeHost(peer->mbx_host));
+    if (peer->region_registered) DPUF_NOTE(cudaHostUnregister(peer->region_host));
+    if (!peer->region_is_host && peer->region_dev) DPUF_NOTE(cudaFree(peer->region_dev));
+    free(peer->h_state);
+    free(peer);
+}
+
+template <typename T> static int device_alloc(T **p, size_t bytes) {
+    DPUF_CHECK(cudaMalloc((void **)p, bytes));
+    DPUF_CHECK(cudaMemset(*p, 0, bytes));
+    return 0;
+}
+
+/* The CRC-32 table of the replay start (zlib's polynomial), into constant memory. */
+static int crc32_table_init(void) {
+    uint32_t table[256];
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        table[n] = c;
+    }
+    DPUF_CHECK(cudaMemcpyToSymbol(c_crc32_table, table, sizeof(table)));
+    return 0;
+}
+
+static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
+    const uint32_t nch = p->channel_count;
+    peer->device = p->device;
+    peer->channel_count = nch;
+    peer->region_size = p->region_size;
+    DPUF_CHECK(cudaSetDevice(p->device));
+    if (crc32_table_init() != 0) return -1;
+    int coop = 0, sms = 0;
+    DPUF_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, p->device));
+    DPUF_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device));
+    if (!coop) return set_error("device %d does not support cooperative launches", p->device), -1;
+
+    peer->h_state = (chan_state *)calloc(nch, sizeof(chan_state));
+    if (!peer->h_state) return set_error("out of host memory"), -1;
+
+    /* The region. */
+    if (p->region_host != NULL) {
+        int can_map = 0;
+        DPUF_CHECK(cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, p->device));
+        if (!can_map) return set_error("device %d cannot map host memory", p->device), -1;
+        peer->region_is_host = true;
+        peer->region_host = p->region_host;
+        DPUF_CHECK(cudaHostRegister(p->region_host, p->region_size,
+                                    cudaHostRegisterMapped | cudaHostRegisterPortable));
+        peer->region_registered = true;
+        DPUF_CHECK(cudaHostGetDevicePointer((void **)&peer->region_dev, p->region_host, 0));
+    } else {
+        const driver_api *drv = driver();
+        if (!drv) return -1;
+        /* Whole 2 MiB pages: a dma-buf export covers whole pages. */
+        peer->region_alloc = (p->region_size + GPU_REGION_GRANULE - 1) / GPU_REGION_GRANULE * GPU_REGION_GRANULE;
+        if (device_alloc(&peer->region_dev, peer->region_alloc) != 0) return -1;
+        /* Synchronous memory operations on it (the write_region copies)
+         * complete before they return, whatever the NIC or kernel do. */
+        const unsigned int one = 1;
+        DPUF_CHECK(drv->cuPointerSetAttribute(&one, CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                                              (CUdeviceptr)peer->region_dev));
+    }
+
+    /* Channels, token source. */
+    DPUF_CHECK(cudaMalloc((void **)&peer->d_channels, nch * sizeof(dpuf_channel_desc)));
+    DPUF_CHECK(cudaMemcpy(peer->d_channels, p->channels, nch * sizeof(dpuf_channel_desc), cudaMemcpyHostToDevice));
+    if (p->mode == DPUF_MODE_REPLAY) {
+        DPUF_CHECK(cudaMalloc((void **)&peer->d_corpus, p->corpus_len * sizeof(uint32_t)));
+        DPUF_CHECK(cudaMemcpy(peer->d_corpus, p->corpus, p->corpus_len * sizeof(uint32_t), cudaMemcpyHostToDevice));
+        DPUF_CHECK(cudaMalloc((void **)&peer->d_doc_starts, p->doc_count * sizeof(uint32_t)));
+        DPUF_CHECK(cudaMemcpy(peer->d_doc_starts, p->doc_starts, p->doc_count * sizeof(uint32_t),
+                              cudaMemcpyHostToDevice));
+    }
+
+    /* Mailbox area: the kernel block, then one mailbox per channel. */
+    const size_t mbx_bytes = sizeof(dpuf_kernel_block) + nch * sizeof(dpuf_mailbox);
+    DPUF_CHECK(cudaHostAlloc(&peer->mbx_host, mbx_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(peer->mbx_host, 0, mbx_bytes);
+    DPUF_CHECK(cudaHostGetDevicePointer(&peer->mbx_dev, peer->mbx_host, 0));
+
+    /* Per-channel GPU-local state. */
+    for (uint32_t c = 0; c < nch; c++) {
+        const dpuf_channel_desc *d = p->channels + c;
+        chan_state *s = peer->h_state + c;
+        const uint64_t stride = ((uint64_t)(d->max_prompt_tokens ? d->max_prompt_tokens : 1) + 31u) / 32u * 32u;
+        s->pool_stride = stride;
+        s->next_req_seq = 1;
+        if (device_alloc(&s->table, d->max_sequences * sizeof(seq_entry)) != 0 ||
+            device_alloc(&s->prompt_pool, d->max_sequences * stride * sizeof(uint32_t)) != 0 ||
+            device_alloc(&s->pending, (size_t)d->max_sequences * p->tokens_per_step * sizeof(uint32_t)) != 0 ||
+            device_alloc(&s->shadow, d->resp_slots * sizeof(uint64_t)) != 0)
+            return -1;
+    }
+    DPUF_CHECK(cudaMalloc((void **)&peer->d_state, nch * sizeof(chan_state)));
+    DPUF_CHECK(cudaMemcpy(peer->d_state, peer->h_state, nch * sizeof(chan_state), cudaMemcpyHostToDevice));
+    if (device_alloc(&peer->d_ctl, sizeof(engine_ctl)) != 0) return -1;
+
+    /* Engine size: every block must be resident at once (cooperative). */
+    int per_sm = 0;
+    DPUF_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, engine_kernel, ENGINE_THREADS, 0));
+    const uint64_t coop_max = (uint64_t)per_sm * (uint64_t)sms;
+    uint64_t blocks = p->engine_blocks ? p->engine_blocks
+                                       : ((uint32_t)sms < MAX_ENGINE_BLOCKS_DEFAULT ? (uint32_t)sms
+                                                                                   : MAX_ENGINE_BLOCKS_DEFAULT);
+    if (blocks > coop_max) blocks = coop_max;
+    if (blocks == 0) return set_error("the engine kernel cannot be resident on device %d", p->device), -1;
+    peer->engine_blocks = (uint32_t)blocks;
+
+    /* Kernel arguments. */
+    dpuf_kernel_block *kb_dev = (dpuf_kernel_block *)peer->mbx_dev;
+    engine_args *ea = &peer->eargs;
+    ea->region = peer->region_dev;
+    ea->channels = peer->d_channels;
+    ea->state = peer->d_state;
+    ea->kblock = kb_dev;
+    ea->mailboxes = (dpuf_mailbox *)(kb_dev + 1);
+    ea->ctl = peer->d_ctl;
+    ea->corpus = peer->d_corpus;
+    ea->doc_starts = peer->d_doc_starts;
+    ea->corpus_len = p->corpus_len;
+    ea->doc_count = p->doc_count;
+    ea->channel_count = nch;
+    ea->mode = p->mode;
+    ea->tokens_per_step = p->tokens_per_step;
+    memcpy(ea->eos, p->eos, sizeof ea->eos);
+    ea->eos_count = p->eos_count;
+    ea->step_ns = p->step_ns;
+    ea->prefill_ns_per_token = p->prefill_ns_per_token;
+    peer->hargs.region = peer->region_dev;
+    peer->hargs.channels = peer->d_channels;
+    peer->hargs.channel_count = nch;
+    peer->hargs.kblock = kb_dev;
+    peer->hargs.heartbeat_ns = p->heartbeat_ns;
+
+    DPUF_CHECK(cudaDeviceSynchronize()); /* the memsets are done before anything runs */
+    return 0;
+}
+
+/* 1: running, 0: returned, -1: an error (recorded). */
+static int stream_state(cudaStream_t s) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return 0;
+    if (e == cudaErrorNotReady) return 1;
+    cuda_ok(e, "cudaStreamQuery", __LINE__);
+    return -1;
+}
+
+/* 1: both kernels running or one still returning, 0: both returned, -1: error. */
+static int kernels_state(dpuf_peer *peer) {
+    const int hb = stream_state(peer->hb_stream);
+    if (hb < 0) return -1;
+    const int en = stream_state(peer->engine_stream);
+    if (en < 0) return -1;
+    return (hb || en) ? 1 : 0;
+}
+
+static void sleep_us(long us) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static uint64_t monotonic_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+extern "C" {
+
+const char *dpuf_last_error(void) { return g_last_error; }
+
+int dpuf_device_info_get(int32_t device, dpuf_device_info *out) {
+    if (out == NULL) return set_error("out is NULL"), -1;
+    memset(out, 0, sizeof *out);
+    const driver_api *drv = driver();
+    if (!drv) return -1;
+    DPUF_CHECK(drv->cuInit(0));
+    CUdevice dev;
+    DPUF_CHECK(drv->cuDeviceGet(&dev, device));
+    cudaDeviceProp prop;
+    DPUF_CHECK(cudaGetDeviceProperties(&prop, device));
+    const size_t len = strnlen(prop.name, sizeof out->name - 1); /* truncated to fit, NUL-terminated */
+    memcpy(out->name, prop.name, len);
+    out->sm_count = prop.multiProcessorCount;
+    out->major = prop.major;
+    out->minor = prop.minor;
+    int v = 0;
+    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev));
+    out->gdr_writes_ordering = v;
+    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, dev));
+    out->gdr_supported = v;
+    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev));
+    out->dmabuf_supported = v;
+    DPUF_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrCanMapHostMemory, device));
+    out->can_map_host = v;
+    return 0;
+}
+
+dpuf_peer *dpuf_peer_create(const dpuf_peer_params *params) {
+    if (!validate_params(params)) return NULL;
+    dpuf_peer *peer = (dpuf_peer *)calloc(1, sizeof *peer);
+    if (peer == NULL) return set_error("out of host memory"), (dpuf_peer *)NULL;
+    if (peer_setup(peer, params) != 0) {
+        char why[sizeof g_last_error];
+        memcpy(why, g_last_error, sizeof why);
+        peer_release(peer);
+        memcpy(g_last_error, why, sizeof why); /* report the cause, not the cleanup */
+        return NULL;
+    }
+    return peer;
+}
+
+int dpuf_peer_write_region(dpuf_peer *peer, uint64_t offset, const void *data, uint64_t n) {
+    if (peer == NULL || (data == NULL && n != 0)) return set_error("peer or data is NULL"), -1;
+    if (!range_inside(offset, n, peer->region_size))
+        return set_error("write [%llu, +%llu) lies outside the region (%llu bytes)", (unsigned long long)offset,
+                         (unsigned long long)n, (unsigned long long)peer->region_size), -1;
+    if (n == 0) return 0;
+    if (peer->region_is_host) {
+        memcpy((uint8_t *)peer->region_host + offset, data, n);
+        return 0;
+    }
+    DPUF_CHECK(cudaSetDevice(peer->device));
+    /* Legacy default stream: it does not wait for the non-blocking streams
+     * of the persistent kernels. */
+    DPUF_CHECK(cudaMemcpy(peer->region_dev + offset, data, n, cudaMemcpyHostToDevice));
+    return 0;
+}
+
+uint64_t dpuf_peer_region_device_ptr(dpuf_peer *peer) {
+    if (peer == NULL) return set_error("peer is NULL"), 0;
+    return (uint64_t)(uintptr_t)peer->region_dev;
+}
+
+void *dpuf_peer_mailbox(dpuf_peer *peer) {
+    if (peer == NULL) return set_error("peer is NULL"), (void *)NULL;
+    return peer->mbx_host;
+}
+
+int dpuf_peer_dmabuf_fd(dpuf_peer *peer, int32_t *fd, uint64_t *offset) {
+    if (peer == NULL || fd == NULL || offset == NULL) return set_error("peer, fd or offset is NULL"), -1;
+    if (peer->region_is_host) return set_error("the region is host memory"), -1;
+    const driver_api *drv = driver();
+    if (!drv) return -1;
+    DPUF_CHECK(cudaSetDevice(peer->device));
+    int handle = -1;
+    DPUF_CHECK(drv->cuMemGetHandleForAddressRange(&handle, (CUdeviceptr)peer->region_dev, peer->region_alloc,
+                                                  CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0));
+    *fd = handle;
+    *offset = 0;
+    return 0;
+}
+
+int dpuf_peer_launch(dpuf_peer *peer) {
+    if (peer == NULL) return set_error("peer is NULL"), -1;
+    if (peer->launched) return set_error("the kernel was already launched"), -1;
+    DPUF_CHECK(cudaSetDevice(peer->device));
+    if (!peer->hb_stream) DPUF_CHECK(cudaStreamCreateWithFlags(&peer->hb_stream, cudaStreamNonBlocking));
+    if (!peer->engine_stream) DPUF_CHECK(cudaStreamCreateWithFlags(&peer->engine_stream, cudaStreamNonBlocking));
+    /* A launch error is read with cudaGetLastError: drop a stale,
+     * non-sticky error of some earlier unrelated call first (a sticky one
+     * fails the launches below anyway). */
+    (void)cudaGetLastError();
+
+    /* The heartbeat first, so that it is resident before the engine fills
+     * the SMs; it returns only when kernel_block.stop is set. */
+    heartbeat_kernel<<<1, 32, 0, peer->hb_stream>>>(peer->hargs);
+    DPUF_CHECK(cudaGetLastError());
+
+    void *args[] = {&peer->eargs};
+    cudaError_t e = cudaLaunchCooperativeKernel((const void *)engine_kernel, dim3(peer->engine_blocks),
+                                                dim3(ENGINE_THREADS), args, 0, peer->engine_stream);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        cuda_ok(e, "cudaLaunchCooperativeKernel(engine_kernel)", __LINE__);
+        char why[sizeof g_last_error];
+        memcpy(why, g_last_error, sizeof why);
+        /* Take the heartbeat down again; the peer may be launched later. */
+        dpuf_kernel_block *kb = (dpuf_kernel_block *)peer->mbx_host;
+        __atomic_store_n(&kb->stop, 1, __ATOMIC_RELEASE);
+        DPUF_NOTE(cudaStreamSynchronize(peer->hb_stream));
+        __atomic_store_n(&kb->stop, 0, __ATOMIC_RELEASE);
+        memcpy(g_last_error, why, sizeof why);
+        return -1;
+    }
+    peer->launched = true;
+    return 0;
+}
+
+int dpuf_peer_poll(dpuf_peer *peer) {
+    if (peer == NULL) return set_error("peer is NULL"), -1;
+    if (!peer->launched) return set_error("the kernel was not launched"), -1;
+    DPUF_CHECK(cudaSetDevice(peer->device));
+    return kernels_state(peer);
+}
+
+int dpuf_peer_stop(dpuf_peer *peer, uint32_t timeout_ms) {
+    if (peer == NULL) return set_error("peer is NULL"), -1;
+    if (!peer->launched) return 0;
+    DPUF_CHECK(cudaSetDevice(peer->device));
+    /* Release: a plain host store the kernels read with an acquire. */
+    __atomic_store_n(&((dpuf_kernel_block *)peer->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
+    const uint64_t deadline = monotonic_ms() + timeout_ms;
+    for (;;) {
+        const int s = kernels_state(peer);
+        if (s <= 0) return s;
+        if (monotonic_ms() >= deadline)
+            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
+        sleep_us(200);
+    }
+}
+
+void dpuf_peer_destroy(dpuf_peer *peer) {
+    if (peer == NULL) return;
+    DPUF_NOTE(cudaSetDevice(peer->device));
+    if (peer->launched && kernels_state(peer) == 1 && dpuf_peer_stop(peer, DESTROY_STOP_TIMEOUT_MS) != 0 &&
+        kernels_state(peer) == 1) {
+        /* Still running: freeing its memory would block on it (cudaFree
+         * synchronizes) or pull memory from under it. Leak it instead. */
+        set_error("dpuf_peer_destroy: the kernels did not stop; their memory is left allocated");
+        free(peer->h_state);
+        free(peer);
+        return;
+    }
+    peer_release(peer);
+}
+
+} /* extern "C" */

@@ -1,0 +1,77 @@
+"""Registering a GPU-memory region for RDMA, and the preconditions it must meet.
+
+Two ways to let a NIC reach ``cudaMalloc`` memory:
+
+* **dma-buf** (preferred, upstream kernels): the CUDA driver exports the
+  range as a dma-buf fd (``cuMemGetHandleForAddressRange``), registered with
+  ``ibv_reg_dmabuf_mr`` (pyverbs ``DmaBufMR``, as rdma-core's
+  ``tests/test_cuda_dmabuf.py`` does). pyverbs registers it with
+  ``iova = offset``, so the daemon names the region from address 0.
+* **nvidia-peermem**: the kernel module lets plain ``ibv_reg_mr`` take the GPU
+  virtual address.
+
+Before either, the device must order GPUDirect RDMA writes for its own
+threads (``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`` at least
+OWNER): the kernel trusts a record body once it has seen the commit word
+written after it, and on a device without that ordering it would need a
+``cuFlushGPUDirectRDMAWrites`` from the host between the two, which a
+CPU-free design cannot afford. The MR is registered without relaxed
+ordering (``resources._access``), and the region has ``SYNC_MEMOPS`` set
+(``peer_kernel.cu``). docs/protocol.md, "Preconditions", lists them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.runtime import DeviceInfo, Library
+from dpu_frontend.transport.verbs import compat
+from dpu_frontend.transport.verbs.resources import RdmaResources, access_flags
+
+#: CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER: the device's own threads see the
+#: NIC's writes in order.
+WRITES_ORDERING_OWNER = 100
+PEERMEM_MODULE = Path("/sys/module/nvidia_peermem")
+
+
+def check_device(info: DeviceInfo) -> None:
+    """Refuse a device the protocol's ordering rules cannot hold on."""
+    name = info.name.decode(errors="replace")
+    if not info.gdr_supported:
+        raise StartupError(f"{name} does not support GPUDirect RDMA: the NIC cannot write its "
+                           "memory (use --transport shm on a host without a NIC)")
+    if info.gdr_writes_ordering < WRITES_ORDERING_OWNER:
+        raise StartupError(
+            f"{name} does not order GPUDirect RDMA writes for its own threads "
+            f"(GPU_DIRECT_RDMA_WRITES_ORDERING = {info.gdr_writes_ordering}, needs >= "
+            f"{WRITES_ORDERING_OWNER}): the kernel could see a commit word before the record")
+
+
+def register_gpu_region(lib: Library, peer: int, resources: RdmaResources,
+                        size: int) -> tuple[Any, int]:
+    """The MR of the GPU region and the address the daemon names it by."""
+    access = access_flags(remote=True)
+    fd, offset = ctypes.c_int32(-1), ctypes.c_uint64(0)
+    dmabuf_error = ""
+    if lib.lib.dpuf_peer_dmabuf_fd(peer, ctypes.byref(fd), ctypes.byref(offset)) == 0:
+        try:
+            mr = compat.module("mr").DmaBufMR(resources.pd, size, access, dmabuf=fd.value,
+                                              offset=offset.value)
+            return resources.keep(mr), offset.value  # pyverbs registers iova = offset
+        except (compat.module("errors").PyverbsError, TypeError) as exc:
+            dmabuf_error = f"dma-buf registration failed: {exc}"
+    else:
+        dmabuf_error = f"no dma-buf for the region: {lib.error()}"
+    if not PEERMEM_MODULE.exists():
+        raise StartupError(f"cannot register GPU memory for RDMA: {dmabuf_error}; and the "
+                           "nvidia_peermem module is not loaded (modprobe nvidia_peermem)")
+    address = int(lib.lib.dpuf_peer_region_device_ptr(peer))
+    try:
+        mr = compat.module("mr").MR(resources.pd, size, access, address=address)
+        return resources.keep(mr), address
+    except compat.module("errors").PyverbsError as exc:
+        raise StartupError(f"nvidia-peermem registration of {size} bytes of GPU memory "
+                           f"failed: {exc} ({dmabuf_error})") from exc

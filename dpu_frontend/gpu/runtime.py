@@ -1,0 +1,160 @@
+"""Building and loading the CUDA peer's library, and its ctypes binding.
+
+``peer_kernel.cu`` (the persistent kernel and its host API, ``peer_kernel.h``)
+ships as package data and is built with nvcc on first use into a cache
+directory, named by a hash of its sources, so that an upgrade rebuilds it
+and a second start does not. A deployment without nvcc passes a prebuilt
+library (``--library``). Nothing here is imported by the daemon: CUDA is an
+optional extra of the GPU side only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from importlib.resources import files
+from pathlib import Path
+
+from dpu_frontend.errors import StartupError
+
+log = logging.getLogger("dpu_frontend.gpu")
+
+SOURCES = ("peer_kernel.cu", "peer_kernel.h", "ring_protocol.h")
+LIBRARY = "libdpuf_peer"
+
+
+def source_dir() -> Path:
+    return Path(str(files("dpu_frontend.gpu")))
+
+
+def default_build_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "dpu-frontend"
+
+
+def find_nvcc(nvcc: str | None = None) -> str:
+    candidates = [nvcc] if nvcc else [
+        shutil.which("nvcc"),
+        *(str(Path(home) / "bin" / "nvcc") for home in
+          (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if home),
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise StartupError("nvcc not found: install the CUDA toolkit, set CUDA_HOME, pass --nvcc, "
+                       "or pass a prebuilt --library")
+
+
+def build_command(nvcc: str, arch: str, output: Path) -> list[str]:
+    src = source_dir()
+    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-Xcompiler", "-fPIC", "-shared",
+            f"-I{src}", str(src / "peer_kernel.cu"), "-o", str(output)]
+
+
+def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None) -> Path:
+    """The library for these sources and ``arch``, built now unless already cached."""
+    src = source_dir()
+    digest = hashlib.sha256(arch.encode())
+    for name in SOURCES:
+        digest.update((src / name).read_bytes())
+    output = build_dir / f"{LIBRARY}-{arch}-{digest.hexdigest()[:16]}.so"
+    if output.is_file():
+        return output
+    build_dir.mkdir(parents=True, exist_ok=True)
+    partial = output.with_suffix(f".{os.getpid()}.tmp")
+    command = build_command(find_nvcc(nvcc), arch, partial)
+    log.info("building the CUDA peer: %s", " ".join(command))
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise StartupError(f"nvcc failed ({done.returncode}):\n{done.stderr.strip()}")
+    partial.replace(output)  # atomic: a concurrent start never loads a half-written file
+    return output
+
+
+class DeviceInfo(ctypes.Structure):
+    _fields_ = (
+        ("name", ctypes.c_char * 96),
+        ("sm_count", ctypes.c_int32),
+        ("major", ctypes.c_int32),
+        ("minor", ctypes.c_int32),
+        ("gdr_writes_ordering", ctypes.c_int32),
+        ("gdr_supported", ctypes.c_int32),
+        ("dmabuf_supported", ctypes.c_int32),
+        ("can_map_host", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    )
+
+
+class PeerParams(ctypes.Structure):
+    """Mirror of ``dpuf_peer_params`` (CI checks every offset against the header)."""
+
+    _fields_ = (
+        ("region_host", ctypes.c_void_p),
+        ("region_size", ctypes.c_uint64),
+        ("channels", ctypes.c_void_p),
+        ("channel_count", ctypes.c_uint32),
+        ("mode", ctypes.c_uint32),
+        ("corpus", ctypes.POINTER(ctypes.c_uint32)),
+        ("corpus_len", ctypes.c_uint64),
+        ("doc_starts", ctypes.POINTER(ctypes.c_uint32)),
+        ("doc_count", ctypes.c_uint32),
+        ("tokens_per_step", ctypes.c_uint32),
+        ("eos", ctypes.c_uint32 * 8),
+        ("eos_count", ctypes.c_uint32),
+        ("engine_blocks", ctypes.c_uint32),
+        ("step_ns", ctypes.c_uint64),
+        ("prefill_ns_per_token", ctypes.c_uint64),
+        ("heartbeat_ns", ctypes.c_uint64),
+        ("device", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+    )
+
+
+MODE_REPLAY = 0
+MODE_ECHO = 1
+
+
+class Library:
+    """The loaded ``libdpuf_peer.so``; every call's failure raises with the library's reason."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise StartupError(f"cannot load the CUDA peer library {path}: {exc}") from exc
+        vp, i32, u32, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64
+        signatures = {
+            "dpuf_last_error": ((), ctypes.c_char_p),
+            "dpuf_device_info_get": ((i32, ctypes.POINTER(DeviceInfo)), ctypes.c_int),
+            "dpuf_peer_create": ((ctypes.POINTER(PeerParams),), vp),
+            "dpuf_peer_write_region": ((vp, u64, ctypes.c_char_p, u64), ctypes.c_int),
+            "dpuf_peer_region_device_ptr": ((vp,), u64),
+            "dpuf_peer_mailbox": ((vp,), vp),
+            "dpuf_peer_dmabuf_fd": ((vp, ctypes.POINTER(i32), ctypes.POINTER(u64)), ctypes.c_int),
+            "dpuf_peer_launch": ((vp,), ctypes.c_int),
+            "dpuf_peer_poll": ((vp,), ctypes.c_int),
+            "dpuf_peer_stop": ((vp, u32), ctypes.c_int),
+            "dpuf_peer_destroy": ((vp,), None),
+        }
+        for name, (args, restype) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, restype
+        self.lib = lib
+        self.path = path
+
+    def error(self) -> str:
+        message = self.lib.dpuf_last_error()
+        return message.decode(errors="replace") if message else "unknown error"
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise StartupError(f"{what}: {self.error()}")
+
+    def device_info(self, device: int) -> DeviceInfo:
+        info = DeviceInfo()
+        self.check(self.lib.dpuf_device_info_get(device, ctypes.byref(info)), "device query")
+        return info

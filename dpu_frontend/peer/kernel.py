@@ -1,0 +1,64 @@
+"""What serves the rings behind a peer's control plane: the reference engine loop or the
+CUDA kernel.
+
+A ``PeerKernel`` owns the region (the memory the daemon READs and WRITEs) and
+the mailbox area (host memory only the launcher and the kernel touch). The
+control plane (``peer/server.py``) never touches a ring: it attaches and
+detaches channels by mailbox commands (``ring/mailbox.py``) and reads the
+kernel's counters, exactly as a launcher drives a persistent GPU kernel.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from dpu_frontend.ring import Layout
+from dpu_frontend.ring.gpu import RingMemory
+from dpu_frontend.transport.verbs.resources import RdmaResources
+
+
+@dataclass(frozen=True, slots=True)
+class RegionAddress:
+    """Where the region is, for memory registration (verbs) or mapping (shm)."""
+
+    host_address: int = 0  # a host mapping's virtual address (0: none)
+    path: str | None = None  # the shm file
+
+
+class PeerKernel(abc.ABC):
+    """The GPU half of every channel, behind one mailbox area."""
+
+    @abc.abstractmethod
+    def open(self, layout: Layout) -> RegionAddress:
+        """Allocate the region and the mailbox area, write the layout record at offset 0."""
+
+    @property
+    @abc.abstractmethod
+    def mailbox(self) -> RingMemory:
+        """The mailbox area: one kernel block, then one mailbox per channel."""
+
+    def register(self, resources: RdmaResources, region: RegionAddress,
+                 size: int) -> tuple[Any, int]:
+        """Register the region for remote READ and WRITE (verbs); return the MR and the
+        address the daemon's operations name."""
+        if not region.host_address:
+            raise ValueError("the region has no host mapping to register")
+        return resources.register(region.host_address, size, remote=True), region.host_address
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start serving (launch the kernel, or the engine loop)."""
+
+    @abc.abstractmethod
+    def failure(self) -> str | None:
+        """Why the kernel stopped serving, or None while it runs."""
+
+    @abc.abstractmethod
+    def channel_stats(self, channel: int) -> dict[str, Any]:
+        """Counters beyond the mailbox's (the reference engine's request ids, ...)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop the kernel and release the region; idempotent."""

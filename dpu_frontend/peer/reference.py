@@ -1,0 +1,184 @@
+"""The reference kernel: the GPU half of every channel as a Python engine loop.
+
+It behaves as the CUDA kernel does, step by step: between two steps it runs
+mailbox commands (ATTACH resets a channel to a new epoch, DETACH drops its
+sequences); in a step it drains every committed request record into its own
+store (so a cancel never waits behind generates), advances every running
+sequence by one record, publishes what the response ring has room for and
+keeps the rest buffered; and it beats the heartbeat every tick, whatever a
+step did. Its region is a shared-memory file (shm) or an anonymous mapping
+(verbs, registered by the control plane).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpu_frontend.config import PeerConfig
+from dpu_frontend.peer.engine import Engine
+from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
+from dpu_frontend.ring.mailbox import (
+    ChannelState,
+    Command,
+    KernelMailbox,
+    MailboxError,
+    mailbox_area_size,
+)
+from dpu_frontend.ring.memory import AtomicMemory
+from dpu_frontend.transport.shm import map_file
+
+log = logging.getLogger("dpu_frontend.peer")
+
+
+@dataclass(slots=True)
+class _Channel:
+    index: int
+    ring: GpuChannel
+    engine: Engine
+    mailbox: KernelMailbox
+    attached: bool = False
+    outbox: list[ResponseRecord] = field(default_factory=list)  # generated, not yet published
+
+
+class ReferenceKernel(PeerKernel):
+    def __init__(self, config: PeerConfig, corpus: list[list[int]],
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self._corpus = corpus
+        self._eos = eos_token_ids
+        self._map: mmap.mmap | None = None
+        self._region: AtomicMemory | None = None
+        self._mailbox: AtomicMemory | None = None
+        self._channels: list[_Channel] = []
+        self._task: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+
+    def open(self, layout: Layout) -> RegionAddress:
+        cfg = self.config
+        size = layout.region_size
+        if cfg.transport == "shm":
+            self._map = map_file(str(cfg.shm_path), size, create=True)
+        else:
+            self._map = mmap.mmap(-1, size)
+        region = self._region = AtomicMemory(self._map)
+        region.write(0, layout.encode())
+        self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
+        for i, ch in enumerate(layout.channels):
+            per_step = min(cfg.tokens_per_step or ch.tokens_per_response, ch.tokens_per_response)
+            engine = Engine(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
+                            tokens_per_s=cfg.tokens_per_s, tokens_per_step=per_step)
+            self._channels.append(
+                _Channel(i, GpuChannel(region, ch), engine, KernelMailbox(self._mailbox, i)))
+        if cfg.transport == "shm":
+            return RegionAddress(path=str(cfg.shm_path))
+        return RegionAddress(host_address=region.address)
+
+    @property
+    def mailbox(self) -> AtomicMemory:
+        if self._mailbox is None:
+            raise RuntimeError("kernel not opened")
+        return self._mailbox
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="reference-kernel")
+
+    def failure(self) -> str | None:
+        return self._failure
+
+    async def _run(self) -> None:
+        tick = self.config.tick_s
+        try:
+            while True:
+                now = time.monotonic()
+                for channel in self._channels:
+                    self._obey(channel)
+                    if channel.attached:
+                        self._step(channel, now)
+                    channel.ring.beat()  # every tick, whatever the step did
+                    channel.mailbox.publish_counters(self._counters(channel))
+                await asyncio.sleep(tick)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the kernel died: the control plane refuses from now on
+            log.exception("reference kernel failed")
+            self._failure = f"reference kernel failed: {exc!r}"
+
+    def _obey(self, channel: _Channel) -> None:
+        """Run a pending mailbox command: between two steps, as the CUDA kernel does."""
+        command = channel.mailbox.pending()
+        if command is None:
+            return
+        seq, what, epoch = command
+        error = MailboxError.OK
+        if what == Command.ATTACH:
+            if epoch <= channel.ring.epoch:
+                error = MailboxError.BAD_EPOCH
+            else:
+                channel.engine.cancel_all()
+                channel.outbox = []
+                channel.ring.reset(epoch)
+                channel.attached = True
+        elif what == Command.DETACH:
+            channel.engine.cancel_all()
+            channel.outbox = []
+            channel.attached = False
+        else:
+            error = MailboxError.BAD_COMMAND
+        state = ChannelState.ATTACHED if channel.attached else ChannelState.DETACHED
+        channel.mailbox.ack(seq, state, error)
+
+    def _step(self, channel: _Channel, now: float) -> None:
+        ring, engine = channel.ring, channel.engine
+        outbox = channel.outbox
+        for record, prompt in ring.poll_requests():
+            if isinstance(record, CancelRecord):
+                final = engine.cancel(record.request_id)
+                if final is not None:
+                    outbox.append(final)
+            elif engine.has(record.request_id) or engine.active >= ring.layout.max_sequences:
+                ring.refuse()  # a duplicate id, or a DPU that broke its sequence window
+            else:
+                engine.admit(record, prompt, now)
+        # Generate only what the response ring can take soon: the outbox is bounded.
+        budget = max(0, ring.layout.resp_slots - len(outbox))
+        outbox += engine.step(now, budget)
+        del outbox[:ring.publish(outbox)]
+
+    @staticmethod
+    def _counters(channel: _Channel) -> dict[str, int]:
+        ring, stats = channel.ring.counters, channel.engine.stats
+        return {"records": ring.records, "admitted": stats.admitted,
+                "completed": stats.completed, "cancelled": stats.cancelled,
+                "bad_records": ring.bad_records, "tokens": stats.tokens,
+                "published": ring.published, "ring_full_waits": ring.ring_full_waits}
+
+    def channel_stats(self, channel: int) -> dict[str, Any]:
+        c = self._channels[channel]
+        return {"active": c.engine.active_ids, "cancelled_ids": c.engine.stats.cancelled_ids[-64:],
+                "request_records": c.ring.consumed}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._channels.clear()
+        for memory in (self._region, self._mailbox):
+            if memory is not None:
+                memory.release()
+        self._region = self._mailbox = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            if self.config.transport == "shm":
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.config.shm_path)

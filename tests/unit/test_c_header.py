@@ -1,0 +1,195 @@
+"""``ring_protocol.h`` and ``peer_kernel.h`` checked against the Python codecs.
+
+A C compiler builds a small program that includes the headers and prints,
+for every structure the Python side describes (``CStruct``), its ``sizeof``
+and each field's ``offsetof``, the protocol constants, and the bytes of one
+golden record of every type filled in C; the test compares all of it with
+the Python struct formats and encoders. The C side and the Python side
+therefore cannot drift apart without CI going red.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dpu_frontend.gpu.runtime import DeviceInfo, PeerParams, source_dir
+from dpu_frontend.ring import (
+    CancelRecord,
+    FinishReason,
+    GenerateRecord,
+    Geometry,
+    ResponseRecord,
+    SamplingParams,
+)
+from dpu_frontend.ring import layout as layout_mod
+from dpu_frontend.ring import records as records_mod
+from dpu_frontend.ring.cstruct import CStruct
+from dpu_frontend.ring.layout import (
+    CHANNEL_STRUCT,
+    DPU_CTRL_STRUCT,
+    GPU_CTRL_STRUCT,
+    HEADER_STRUCT,
+)
+from dpu_frontend.ring.mailbox import COUNTERS, KERNEL_BLOCK, MAILBOX
+from dpu_frontend.ring.records import REQUEST_STRUCT, RESPONSE_STRUCT
+
+STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQUEST_STRUCT,
+           RESPONSE_STRUCT, KERNEL_BLOCK, MAILBOX)
+CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo}
+CONSTANTS = {
+    "DPUF_VERSION_MAJOR": layout_mod.VERSION_MAJOR, "DPUF_VERSION_MINOR": layout_mod.VERSION_MINOR,
+    "DPUF_ALIGN": layout_mod.ALIGN, "DPUF_HEADER_SIZE": layout_mod.HEADER_SIZE,
+    "DPUF_CHANNEL_DESC_SIZE": layout_mod.CHANNEL_SIZE, "DPUF_CTRL_SIZE": layout_mod.CTRL_SIZE,
+    "DPUF_REQUEST_SLOT_SIZE": layout_mod.REQUEST_SLOT_SIZE,
+    "DPUF_RESPONSE_HEADER_SIZE": layout_mod.RESPONSE_HEADER_SIZE,
+    "DPUF_MIN_RESPONSE_SLOT_SIZE": layout_mod.MIN_RESPONSE_SLOT_SIZE,
+    "DPUF_MAX_STOP_TOKEN_IDS": records_mod.MAX_STOP_TOKEN_IDS,
+    "DPUF_KIND_GENERATE": records_mod.RecordKind.GENERATE,
+    "DPUF_KIND_CANCEL": records_mod.RecordKind.CANCEL,
+    "DPUF_FLAG_IGNORE_EOS": records_mod.FLAG_IGNORE_EOS,
+    "DPUF_FLAG_HAS_SEED": records_mod.FLAG_HAS_SEED,
+    **{f"DPUF_FINISH_{r.name}": int(r) for r in FinishReason},
+    "DPUF_MAILBOX_SIZE": MAILBOX.size, "DPUF_KERNEL_BLOCK_SIZE": KERNEL_BLOCK.size,
+}
+
+#: The golden records: what the C program fills, field by field, and what the
+#: Python encoders must produce for the same values.
+PARAMS = SamplingParams(max_tokens=77, temperature=0.5, top_p=0.25, top_k=40, min_p=0.125,
+                        seed=0x1122334455667788, presence_penalty=-1.5, frequency_penalty=2.0,
+                        repetition_penalty=1.25, stop_token_ids=(7, 8, 151645),
+                        ignore_eos=True)
+GOLDEN_C = r"""
+static void golden(void) {
+    dpuf_request g; memset(&g, 0, sizeof g);
+    g.commit = 5; g.kind = DPUF_KIND_GENERATE; g.flags = DPUF_FLAG_IGNORE_EOS | DPUF_FLAG_HAS_SEED;
+    g.request_id = 0xabcdef0123ull; g.arena_offset = 384; g.prompt_len = 33; g.max_tokens = 77;
+    g.temperature = 0.5f; g.top_p = 0.25f; g.top_k = 40; g.min_p = 0.125f;
+    g.seed = 0x1122334455667788ull; g.presence_penalty = -1.5f; g.frequency_penalty = 2.0f;
+    g.repetition_penalty = 1.25f; g.n_stop_token_ids = 3; g.stop_token_ids[0] = 7;
+    g.stop_token_ids[1] = 8; g.stop_token_ids[2] = 151645; g.epoch = 9;
+    dump("generate", &g, sizeof g);
+    dpuf_request c; memset(&c, 0, sizeof c);
+    c.commit = 6; c.kind = DPUF_KIND_CANCEL; c.request_id = 0xabcdef0123ull; c.epoch = 9;
+    dump("cancel", &c, sizeof c);
+    struct { dpuf_response_header h; uint32_t tokens[8]; } r; memset(&r, 0, sizeof r);
+    r.h.seq = 12; r.h.request_id = 0xabcdef0123ull; r.h.epoch = 9; r.h.n_tokens = 3;
+    r.h.finish = DPUF_FINISH_LENGTH; r.tokens[0] = 1; r.tokens[1] = 65536; r.tokens[2] = 151643;
+    dump("response", &r, sizeof r);
+    dpuf_gpu_ctrl gc; memset(&gc, 0, sizeof gc);
+    gc.resp_produced = 12; gc.req_consumed = 6; gc.heartbeat = 999; gc.epoch = 9;
+    dump("gpu_ctrl", &gc, sizeof gc);
+    dpuf_dpu_ctrl dc; memset(&dc, 0, sizeof dc); dc.resp_consumed = 10;
+    dump("dpu_ctrl", &dc, sizeof dc);
+}
+"""
+
+
+def _compiler() -> str:
+    for cc in ("cc", "gcc", "clang"):
+        if shutil.which(cc):
+            return cc
+    pytest.fail("no C compiler: deploy/dev.sh setup installs gcc")
+
+
+def _program() -> str:
+    lines = ['#include <stdio.h>', '#include <string.h>', '#include "peer_kernel.h"',
+             'static int first = 1;',
+             'static void key(const char *k) { printf("%s\\"%s\\": ", first ? "" : ", ", k); '
+             'first = 0; }',
+             'static void dump(const char *name, const void *p, size_t n) { key(name); '
+             'printf("\\""); for (size_t i = 0; i < n; i++) printf("%02x", '
+             '((const unsigned char *)p)[i]); printf("\\""); }',
+             GOLDEN_C, "int main(void) {", 'printf("{");']
+    for s in STRUCTS:
+        lines.append(f'key("sizeof {s.c_name}"); printf("%zu", sizeof({s.c_name}));')
+        for name in s.offsets:
+            lines.append(f'key("{s.c_name}.{name}"); printf("%zu", offsetof({s.c_name}, {name}));')
+    for c_name, mirror in CTYPES_MIRRORS.items():
+        lines.append(f'key("sizeof {c_name}"); printf("%zu", sizeof({c_name}));')
+        for name, _type in mirror._fields_:
+            lines.append(f'key("{c_name}.{name}"); printf("%zu", offsetof({c_name}, {name}));')
+    for name in CONSTANTS:
+        lines.append(f'key("{name}"); printf("%llu", (unsigned long long)({name}));')
+    lines += ['key("magic"); printf("\\"%s\\"", DPUF_MAGIC);', "golden();",
+              'printf("}\\n");', "return 0; }"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def c_side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    work = tmp_path_factory.mktemp("c_header")
+    source, binary = work / "check.c", work / "check"
+    source.write_text(_program())
+    subprocess.run([_compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic",
+                    f"-I{source_dir()}", str(source), "-o", str(binary)], check=True)
+    out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+@pytest.mark.parametrize("spec", STRUCTS, ids=lambda s: s.c_name)
+def test_every_size_and_offset_matches(c_side: dict[str, object], spec: CStruct) -> None:
+    assert c_side[f"sizeof {spec.c_name}"] == spec.size
+    for name, offset in spec.offsets.items():
+        assert c_side[f"{spec.c_name}.{name}"] == offset, name
+
+
+@pytest.mark.parametrize("c_name", list(CTYPES_MIRRORS))
+def test_the_launcher_mirrors_the_host_api(c_side: dict[str, object], c_name: str) -> None:
+    mirror = CTYPES_MIRRORS[c_name]
+    assert c_side[f"sizeof {c_name}"] == ctypes.sizeof(mirror)
+    for name, _type in mirror._fields_:
+        assert c_side[f"{c_name}.{name}"] == getattr(mirror, name).offset, name
+
+
+def test_constants_match(c_side: dict[str, object]) -> None:
+    for name, value in CONSTANTS.items():
+        assert c_side[name] == value, name
+    assert str(c_side["magic"]).encode() == layout_mod.MAGIC
+    assert list(COUNTERS) == [n for n, _ in MAILBOX.fields][6:]
+
+
+def _golden_python() -> dict[str, bytes]:
+    generate = GenerateRecord(0xabcdef0123, 384, 33, PARAMS)
+    cancel = CancelRecord(0xabcdef0123)
+    response = ResponseRecord(0xabcdef0123, (1, 65536, 151643), FinishReason.LENGTH)
+    return {
+        "generate": records_mod.COMMIT.pack(5) + records_mod.encode_request_body(generate, 9),
+        "cancel": records_mod.COMMIT.pack(6) + records_mod.encode_request_body(cancel, 9),
+        "response": records_mod.COMMIT.pack(12) + records_mod.encode_response_body(response, 64, 9),
+        "gpu_ctrl": GPU_CTRL_STRUCT.pack(12, 6, 999, 9),
+        "dpu_ctrl": DPU_CTRL_STRUCT.pack(10),
+    }
+
+
+#: The golden bytes themselves (checked by the C compiler when they were written),
+#: so that a change of either side shows here too.
+GOLDEN = json.loads((Path(__file__).parent / "golden_records.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["generate", "cancel", "response", "gpu_ctrl", "dpu_ctrl"])
+def test_golden_records_are_byte_identical(c_side: dict[str, object], name: str) -> None:
+    python = _golden_python()[name]
+    assert c_side[name] == python.hex() == GOLDEN[name]
+
+
+def test_the_layout_record_matches_the_c_structs() -> None:
+    layout = Geometry(channels=2).plan(instance=0x55)
+    data = layout.encode()
+    header = HEADER_STRUCT.unpack_from(data)
+    assert header[0] == layout_mod.MAGIC and header[1] == 2
+    for i, ch in enumerate(layout.channels):
+        values = CHANNEL_STRUCT.unpack_from(data, HEADER_STRUCT.size + i * CHANNEL_STRUCT.size)
+        assert dict(zip([n for n, _ in CHANNEL_STRUCT.fields], values, strict=True)) == {
+            n: getattr(ch, n) for n, _ in CHANNEL_STRUCT.fields}
+
+
+def test_the_headers_are_package_data() -> None:
+    for name in ("ring_protocol.h", "peer_kernel.h", "peer_kernel.cu"):
+        assert (Path(source_dir()) / name).is_file()
