@@ -41,6 +41,8 @@ PEER_CORES = "2-5"
 
 
 def cpu_seconds(pid: int) -> float:
+    if not pid:
+        return 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -110,6 +112,8 @@ class Client:
 
 
 async def measure(command: str, args: argparse.Namespace) -> dict[str, Any]:
+    if args.peer_address:
+        return await measure_at(PeerAddress.parse(args.peer_address), 0, args)
     shm = f"/dev/shm/dpu-frontend-bench-{os.getpid()}-{command}"
     argv = ["taskset", "-c", PEER_CORES, *CLI, command, "--transport", "shm", "--port", "0",
             "--shm-path", shm, "--tokens-per-step", "1", "--max-sequences", "1024",
@@ -118,26 +122,30 @@ async def measure(command: str, args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--tokens-per-s", "0"]
     proc, address = start(argv, PEER_READY, 300)
     try:
-        peer = PeerAddress.parse(address)
-        session = await PeerSession.connect(ServeConfig(peers=(peer,), transport="shm"), peer)
-        try:
-            client = Client(session)
-            await client.latency(50)  # warm up
-            lat = sorted(await client.latency(args.samples))
-            out: dict[str, Any] = {
-                "request->first record p50 us": round(statistics.median(lat) * 1e6, 1),
-                "request->first record p99 us": round(lat[int(len(lat) * 0.99)] * 1e6, 1),
-            }
-            for streams in args.streams:
-                figures = await client.throughput(streams, args.seconds, proc.pid)
-                for key, value in figures.items():
-                    out[f"{streams} streams: {key}"] = round(value, 6 if "CPU" in key else 0)
-            out["client bare limit: idle polls/s"] = round(await client.idle_polls(1.0))
-            return out
-        finally:
-            await session.close()
+        return await measure_at(PeerAddress.parse(address), proc.pid, args)
     finally:
         stop(proc)
+
+
+async def measure_at(peer: PeerAddress, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Measure the peer at ``peer`` (``pid`` 0: one started elsewhere, CPU not read)."""
+    session = await PeerSession.connect(ServeConfig(peers=(peer,), transport="shm"), peer)
+    try:
+        client = Client(session)
+        await client.latency(50)  # warm up
+        lat = sorted(await client.latency(args.samples))
+        out: dict[str, Any] = {
+            "request->first record p50 us": round(statistics.median(lat) * 1e6, 1),
+            "request->first record p99 us": round(lat[int(len(lat) * 0.99)] * 1e6, 1),
+        }
+        for streams in args.streams:
+            figures = await client.throughput(streams, args.seconds, pid)
+            for key, value in figures.items():
+                out[f"{streams} streams: {key}"] = round(value, 6 if "CPU" in key else 0)
+        out["client bare limit: idle polls/s"] = round(await client.idle_polls(1.0))
+        return out
+    finally:
+        await session.close()
 
 
 def main() -> None:
@@ -146,9 +154,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 1000])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--peer-address", default=None,
+                        help="measure a peer started elsewhere (e.g. under compute-sanitizer)")
     args = parser.parse_args()
     os.sched_setaffinity(0, {CLIENT_CORE})
-    for command in args.peers:
+    for command in [f"at {args.peer_address}"] if args.peer_address else args.peers:
         record(f"gpu_ring {command}", asyncio.run(measure(command, args)))
 
 
