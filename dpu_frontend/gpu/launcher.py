@@ -169,7 +169,10 @@ class CudaKernel(PeerKernel):
         doc_starts = (ctypes.c_uint32 * max(1, len(starts)))(*starts)
         self._keep += [descs, corpus, doc_starts]
         per_record = min(ch.tokens_per_response for ch in layout.channels)
-        eos = list(self._eos[:8])
+        if len(self._eos) > 8:
+            raise StartupError(f"the tokenizer has {len(self._eos)} EOS ids; the CUDA peer "
+                               "takes at most 8")
+        eos = list(self._eos)
         return PeerParams(
             region_host=region_host, region_size=layout.region_size,
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),

@@ -23,6 +23,7 @@ ordering (``resources._access``), and the region has ``SYNC_MEMOPS`` set
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ def register_gpu_region(lib: Library, peer: int, resources: RdmaResources,
             return resources.keep(mr), offset.value  # pyverbs registers iova = offset
         except (compat.module("errors").PyverbsError, TypeError) as exc:
             dmabuf_error = f"dma-buf registration failed: {exc}"
+        finally:
+            os.close(fd.value)  # the MR holds its own reference to the dma-buf
     else:
         dmabuf_error = f"no dma-buf for the region: {lib.error()}"
     if not PEERMEM_MODULE.exists():

@@ -87,6 +87,7 @@ class Engine:
         self.tokens_per_s = tokens_per_s
         self.per_step = tokens_per_step
         self._active: dict[int, _Sequence] = {}
+        self._turn = 0
         self.stats = EngineStats()
 
     @property
@@ -129,9 +130,10 @@ class Engine:
         self.stats.cancelled_ids.append(request_id)
         return ResponseRecord(request_id, (), FinishReason.CANCELLED)
 
-    def cancel_all(self) -> None:
-        for request_id in list(self._active):
-            self.cancel(request_id)
+    def drop_all(self) -> None:
+        """Forget every sequence without a record (a channel reset: nobody reads them);
+        not counted as cancelled, as the kernel does not count them."""
+        self._active.clear()
 
     def step(self, now: float, budget: int) -> list[ResponseRecord]:
         """Records for the tokens due by ``now``, at most ``budget`` records in all.
@@ -142,7 +144,11 @@ class Engine:
         out: list[ResponseRecord] = []
         while len(out) < budget:
             produced = 0
-            for request_id, seq in list(self._active.items()):
+            # Start each step one sequence further on, so that a small budget (a DPU
+            # reading slowly) is shared by every sequence, not spent on the first ones.
+            items = list(self._active.items())
+            self._turn = (self._turn + 1) % max(1, len(items))
+            for request_id, seq in items[self._turn:] + items[:self._turn]:
                 if len(out) >= budget:
                     break
                 record = self._advance(seq, now)

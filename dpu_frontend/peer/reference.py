@@ -122,12 +122,12 @@ class ReferenceKernel(PeerKernel):
             if epoch <= channel.ring.epoch:
                 error = MailboxError.BAD_EPOCH
             else:
-                channel.engine.cancel_all()
+                channel.engine.drop_all()
                 channel.outbox = []
                 channel.ring.reset(epoch)
                 channel.attached = True
         elif what == Command.DETACH:
-            channel.engine.cancel_all()
+            channel.engine.drop_all()
             channel.outbox = []
             channel.attached = False
         else:
@@ -142,6 +142,9 @@ class ReferenceKernel(PeerKernel):
             if isinstance(record, CancelRecord):
                 final = engine.cancel(record.request_id)
                 if final is not None:
+                    # As the kernel does: what the target generated and could not publish
+                    # yet is discarded; its final record carries no token.
+                    outbox[:] = [r for r in outbox if r.request_id != record.request_id]
                     outbox.append(final)
             elif engine.has(record.request_id) or engine.active >= ring.layout.max_sequences:
                 ring.refuse()  # a duplicate id, or a DPU that broke its sequence window

@@ -47,6 +47,10 @@ log = logging.getLogger("dpu_frontend.peer")
 #: kernel runs commands between two steps, so this bounds the longest step.
 MAILBOX_TIMEOUT_S = 10.0
 MAILBOX_POLL_S = 0.0002
+#: shm has no QP to destroy: after a session's control connection closes, the
+#: channel waits this long before it can be attached again, so that a poll the
+#: old daemon had under way cannot land in the next attachment.
+SHM_DETACH_GRACE_S = 0.2
 
 
 @dataclass(slots=True)
@@ -54,10 +58,11 @@ class _Channel:
     index: int
     mailbox: HostMailbox
     granted: bool = False  # a control session holds it (set before any await)
-    attached: bool = False  # the kernel serves it
-    epoch: int = 0
+    attached: bool = False  # an ATTACH was posted: DETACH it when the session ends
+    epoch: int = 0  # the last epoch posted; epochs only grow, acknowledged or not
     attachments: int = 0
     qp: Any = None
+    unacked: int = 0  # a command's sequence number the kernel has not acknowledged yet
 
 
 class PeerServer:
@@ -74,6 +79,7 @@ class PeerServer:
         self._channels: list[_Channel] = []
         self._server: asyncio.Server | None = None
         self._sessions: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     async def start(self) -> None:
         cfg = self.config
@@ -103,6 +109,8 @@ class PeerServer:
             self._sessions.add(task)
         channel: _Channel | None = None
         try:
+            if self._closing:  # accepted just before close(): nothing to serve
+                return
             first = await messages.receive(reader)
             if first.get("op") == "stats":
                 await messages.send(writer, {"op": "stats", "channels": self.stats()})
@@ -125,11 +133,15 @@ class PeerServer:
         except ConnectionError:
             pass
         finally:
-            if channel is not None:
-                await self._detach(channel)
-            writer.close()
-            if task is not None:
-                self._sessions.discard(task)
+            writer.close()  # first: the daemon stops using the channel at EOF
+            try:
+                if channel is not None:
+                    await self._detach(channel)
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+            finally:
+                if task is not None:
+                    self._sessions.discard(task)
 
     def _grant(self, hello: messages.Hello) -> _Channel:
         if hello.protocol != self.layout_version:
@@ -154,12 +166,14 @@ class PeerServer:
         layout = self.layout
         if layout is None:
             raise PeerError("peer not started")
-        epoch = channel.epoch + 1
+        # The epoch is spent as soon as it is posted: a kernel that runs this ATTACH
+        # late (after a timeout here) must not make the next one a BAD_EPOCH.
+        epoch = channel.epoch = channel.epoch + 1
+        channel.attached = True  # from now on the session's end posts a DETACH
         ack = await self._command(channel, Command.ATTACH, epoch)
         if ack.error != MailboxError.OK or ack.state != ChannelState.ATTACHED:
             raise PeerError(f"the kernel refused to attach channel {channel.index} in epoch "
                             f"{epoch}: {ack.error.name}")
-        channel.epoch, channel.attached = epoch, True
         channel.attachments += 1
         qp_info: dict[str, Any] | None = None
         if self.config.transport == "shm":
@@ -185,31 +199,47 @@ class PeerServer:
 
     async def _detach(self, channel: _Channel) -> None:
         # The QP goes first: once it is destroyed no WRITE of this session can land,
-        # so the next ATTACH's reset is final.
+        # so the next ATTACH's reset is final. shm has no QP: a short grace instead.
         if channel.qp is not None and self._resources is not None:
             self._resources.destroy_qp(channel.qp)
         channel.qp = None
         try:
             if channel.attached:
+                if self.config.transport == "shm":
+                    await asyncio.sleep(SHM_DETACH_GRACE_S)
                 await self._command(channel, Command.DETACH)
+                channel.attached = False
                 log.info("channel %d detached (epoch %d)", channel.index, channel.epoch)
         except PeerError as exc:
+            # The kernel may still run the DETACH later; the channel stays out of
+            # service until it has acknowledged every command (see _command).
             log.error("channel %d: %s", channel.index, exc)
         finally:
-            channel.attached = False
             channel.granted = False
 
     async def _command(self, channel: _Channel, command: Command, epoch: int = 0) -> Ack:
-        seq = channel.mailbox.post(command, epoch)
+        """Post ``command`` and wait for its acknowledgement.
+
+        The mailbox has one command slot: a command is never posted while an earlier
+        one is unacknowledged (the kernel could read the new command word with the
+        old sequence number), so a late kernel is waited for first.
+        """
+        if channel.unacked:
+            await self._acknowledged(channel, channel.unacked, "an earlier command")
+        channel.unacked = channel.mailbox.post(command, epoch)
+        return await self._acknowledged(channel, channel.unacked, command.name)
+
+    async def _acknowledged(self, channel: _Channel, seq: int, what: str) -> Ack:
         deadline = time.monotonic() + MAILBOX_TIMEOUT_S
         while (ack := channel.mailbox.acked(seq)) is None:
             failure = self.kernel.failure()
             if failure is not None:
                 raise PeerError(failure)
             if time.monotonic() > deadline:
-                raise PeerError(f"the kernel did not run {command.name} on channel "
+                raise PeerError(f"the kernel did not run {what} on channel "
                                 f"{channel.index} within {MAILBOX_TIMEOUT_S} s")
             await asyncio.sleep(MAILBOX_POLL_S)
+        channel.unacked = 0
         return ack
 
     @property
@@ -226,17 +256,24 @@ class PeerServer:
                 for c in self._channels]
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        sessions = list(self._sessions)
-        for task in sessions:
-            task.cancel()
-        await asyncio.gather(*sessions, return_exceptions=True)  # detach before teardown
+        # Detach before teardown. A connection accepted just before the server closed
+        # starts its handler only now: yield once, and take those too.
+        while True:
+            await asyncio.sleep(0)
+            sessions = list(self._sessions)
+            if not sessions:
+                break
+            for task in sessions:
+                task.cancel()
+            await asyncio.gather(*sessions, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
-        await self.kernel.close()
         if self._resources is not None:
-            self._resources.close()
+            self._resources.close()  # QPs and the region's MR before the memory goes
+        await self.kernel.close()
 
 
 @dataclass(frozen=True, slots=True)

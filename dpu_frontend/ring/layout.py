@@ -54,6 +54,8 @@ REQUEST_SLOT_SIZE = 128
 #: A response record is a 32-byte header followed by u32 token ids.
 RESPONSE_HEADER_SIZE = 32
 MIN_RESPONSE_SLOT_SIZE = 64
+#: ``n_tokens`` is a u16: a record carries at most 65535 tokens.
+MAX_RESPONSE_SLOT_SIZE = RESPONSE_HEADER_SIZE + 4 * 0xFFFF
 #: Response slots are whole 32-byte sectors, so that 128-byte-aligned rings
 #: never put two slots' headers in one sector.
 RESPONSE_SLOT_UNIT = 32
@@ -194,7 +196,8 @@ def validate(layout: Layout) -> None:
             raise LayoutMismatch(f"{where}: request slot size {ch.req_slot_size} != {REQUEST_SLOT_SIZE}")
         if ch.req_slots < 1 or ch.resp_slots < 2:
             raise LayoutMismatch(f"{where}: needs >= 1 request slot and >= 2 response slots")
-        if ch.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or ch.resp_slot_size % RESPONSE_SLOT_UNIT:
+        if (not MIN_RESPONSE_SLOT_SIZE <= ch.resp_slot_size <= MAX_RESPONSE_SLOT_SIZE
+                or ch.resp_slot_size % RESPONSE_SLOT_UNIT):
             raise LayoutMismatch(f"{where}: response slot size {ch.resp_slot_size} invalid")
         if ch.arena_size < ALIGN or ch.arena_size % ALIGN:
             raise LayoutMismatch(f"{where}: arena size {ch.arena_size} not a multiple of {ALIGN}")
@@ -249,9 +252,10 @@ class Geometry:
             raise ValueError(f"resp_slots must be >= 2 * max_sequences ({2 * self.max_sequences})")
         if self.arena_bytes < ALIGN or self.arena_bytes % ALIGN:
             raise ValueError(f"arena_bytes must be a positive multiple of {ALIGN}")
-        if self.resp_slot_size < MIN_RESPONSE_SLOT_SIZE or self.resp_slot_size % RESPONSE_SLOT_UNIT:
-            raise ValueError(f"resp_slot_size must be a multiple of {RESPONSE_SLOT_UNIT}, "
-                             f">= {MIN_RESPONSE_SLOT_SIZE}")
+        if (not MIN_RESPONSE_SLOT_SIZE <= self.resp_slot_size <= MAX_RESPONSE_SLOT_SIZE
+                or self.resp_slot_size % RESPONSE_SLOT_UNIT):
+            raise ValueError(f"resp_slot_size must be a multiple of {RESPONSE_SLOT_UNIT} in "
+                             f"[{MIN_RESPONSE_SLOT_SIZE}, {MAX_RESPONSE_SLOT_SIZE}]")
         if not 0 <= self.max_prompt_tokens <= self.arena_bytes // 4:
             raise ValueError(f"max_prompt_tokens must be in [0, {self.arena_bytes // 4}] "
                              "(0: the whole arena)")

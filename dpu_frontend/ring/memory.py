@@ -100,6 +100,10 @@ class AtomicMemory:
         # The buffer export also keeps the buffer from being unmapped under us.
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(buffer)
         self._base = ctypes.addressof(self._anchor)
+        if self._base % 8:
+            # libatomic would take a lock for a misaligned word: not atomic for the
+            # other side of the ring.
+            raise ValueError("ring memory must start on an 8-byte boundary")
         self._words = self.view.cast("Q") if len(self.view) % 8 == 0 else None
 
     def __len__(self) -> int:

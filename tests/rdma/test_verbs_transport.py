@@ -68,3 +68,16 @@ async def test_a_remote_access_error_is_a_typed_error(
     transport.region_size = REGION * 4  # lie about the region: the NIC must refuse
     with pytest.raises(TransportError, match="IBV_WC_REM_ACCESS_ERR"):
         await transport.read(ReadOp(REGION * 2, 64))
+
+
+async def test_one_batch_of_writes_then_fenced_reads_sees_every_write(
+        pair: tuple[VerbsTransport, Remote]) -> None:
+    """A poll's batch: more WRITEs than one post chunk, then two READs (the second
+    fenced) in the same exchange; each READ returns what the WRITEs before it put there."""
+    transport, remote = pair
+    writes = [WriteOp(i * 64, bytes([i % 251]) * 64) for i in range(300)]
+    first, last = ReadOp(0, 64), ReadOp(299 * 64, 64)
+    assert await transport.exchange(writes, [first, last]) == [writes[0].data, writes[-1].data]
+    remote.map[128:136] = b"12345678"  # the GPU side stores between two polls
+    assert await transport.exchange([], [ReadOp(128, 8), ReadOp(0, 8)]) == [
+        b"12345678", writes[0].data[:8]]

@@ -19,12 +19,16 @@ there, which shows it catches that reordering:
   DPU reads a slot whose ``seq`` is stale -> ``test_produced_before_records_is_caught``;
 * ``SeqFirst`` stores a record's ``seq`` before its body: another warp moves
   ``resp_produced`` over it and the DPU decodes the previous lap's body ->
-  ``test_seq_before_body_is_caught``.
+  ``test_seq_before_body_is_caught``;
+* ``WindowFirst`` reads the record window before the control block (the
+  GPU publishes between the two READs here): the index covers a record the
+  window read too early -> ``test_window_before_control_is_caught``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -35,10 +39,12 @@ from dpu_frontend.ring import (
     GenerateRecord,
     Geometry,
     GpuChannel,
+    Poll,
     ResponseRecord,
     SamplingParams,
     WriteOp,
 )
+from dpu_frontend.ring.dpu import ReadOp
 from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import COMMIT
 
@@ -68,6 +74,15 @@ class Interleaving:
     def write(self, offset: int, data: bytes | memoryview) -> None:
         self.mem.write(offset, data)
         self._other_side()
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Stores without the other side running (it is the one running now)."""
+        inside, self._inside = self._inside, True
+        try:
+            yield
+        finally:
+            self._inside = inside
 
     def _other_side(self) -> None:
         if not self._inside:
@@ -150,40 +165,63 @@ class SeqFirst(GpuChannel):
         super().write(position, record)
 
 
-def check_responses(gpu_type: type[GpuChannel]) -> None:
-    """The DPU polls after every GPU store (another warp advancing the index first);
-    it must receive exactly the records published, in order, over two laps."""
+class WindowFirst(DpuChannel):
+    """Broken on purpose: the record window is READ before the control block."""
+
+    def begin_poll(self) -> Poll:
+        poll = super().begin_poll()
+        return Poll(poll.writes, poll.reads[::-1], poll.sent)
+
+    def end_poll(self, poll: Poll, data: Sequence[bytes | memoryview],
+                 now: float) -> tuple[list[ResponseRecord], list[ReadOp]]:
+        return super().end_poll(Poll(poll.writes, poll.reads[::-1], poll.sent), data[::-1], now)
+
+
+def check_responses(gpu_type: type[GpuChannel], dpu_type: type[DpuChannel] = DpuChannel) -> None:
+    """The DPU polls after every GPU store (another warp advancing the index first), and
+    the GPU publishes one more record between the poll's two READs; the DPU must
+    receive exactly the records published, in order, over several laps."""
     plan = GEOMETRY.plan(instance=3)
     layout = plan.channels[0]
     mem = Interleaving(AtomicMemory(bytearray(plan.region_size)))
     gpu = gpu_type(mem, layout)
     gpu.reset(1)
-    dpu = DpuChannel(layout, 1)
+    dpu = dpu_type(layout, 1)
     got: list[ResponseRecord] = []
+    sent: list[ResponseRecord] = []
+    backlog: list[ResponseRecord] = []
     clock = [0.0]
 
-    def dpu_polls() -> None:
+    def publish(batch: list[ResponseRecord]) -> int:
+        n = gpu.publish(batch)
+        sent.extend(batch[:n])
+        return n
+
+    def dpu_polls(gpu_between_reads: bool = False) -> None:
         gpu.advance()  # another warp moves the index over what it finds published
         clock[0] += 1
         poll = dpu.begin_poll()
         for op in poll.writes:
             apply(mem.mem, op)
-        data = [mem.mem.read(op.offset, op.length) for op in poll.reads]
+        data = []
+        for op in poll.reads:
+            data.append(mem.mem.read(op.offset, op.length))
+            if gpu_between_reads and backlog:
+                with mem.quiet():  # the GPU goes on between the two READs
+                    del backlog[:publish(backlog[:1])]
         records, more = dpu.end_poll(poll, data, clock[0])
         for op in more:
             records += dpu.on_records(op, mem.mem.read(op.offset, op.length))
         got.extend(records)
 
-    mem.after = dpu_polls
-    sent: list[ResponseRecord] = []
+    mem.after = dpu_polls  # (not re-entrant: no publish inside a publish)
     for lap in range(3):  # more records than slots: the ring wraps, old bodies remain
-        batch = [ResponseRecord(10 * lap + i, (lap, i), FinishReason.NONE) for i in range(6)]
-        while batch:
-            n = gpu.publish(batch)
-            sent += batch[:n]
-            del batch[:n]
-            dpu_polls()
-    dpu_polls()
+        backlog += [ResponseRecord(10 * lap + i, (lap, i), FinishReason.NONE) for i in range(6)]
+        while backlog:
+            del backlog[:publish(backlog[:2])]  # the DPU polls between these stores
+            dpu_polls(gpu_between_reads=True)
+    for _ in range(3):
+        dpu_polls()
     assert got == sent, "the DPU received a record that was not the one published"
 
 
@@ -199,3 +237,8 @@ def test_produced_before_records_is_caught() -> None:
 def test_seq_before_body_is_caught() -> None:
     with pytest.raises((AssertionError, ProtocolError)):
         check_responses(SeqFirst)
+
+
+def test_window_before_control_is_caught() -> None:
+    with pytest.raises((AssertionError, ProtocolError)):
+        check_responses(GpuChannel, WindowFirst)
