@@ -18,12 +18,11 @@ from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.session import PeerSession, staging_bytes_for
 from dpu_frontend.errors import DpuFrontendError
 from dpu_frontend.ring import Geometry
-from dpu_frontend.softroce.harness import native_possible
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
 from dpu_frontend.transport.verbs import compat
-from dpu_frontend.transport.verbs.device import SYSFS, gid_table, resolve
+from dpu_frontend.transport.verbs.device import SYSFS, gid_table, kernel_has_rxe, resolve
 
 OK, FAIL, INFO = "ok", "FAIL", "info"
 
@@ -52,7 +51,7 @@ def rdma(config: ServeConfig, sysfs: Path = SYSFS) -> list[Finding]:
                              f"RDMA device {device}: port 1 {port}; RoCE v2 GIDs {gids or 'none'}",
                              "" if "ACTIVE" in port else f"bring up the netdev under {device}"))
     if not table:
-        if native_possible():
+        if kernel_has_rxe():
             rxe, fix = "this kernel has rdma_rxe", "deploy/softroce/setup.sh creates rxe0"
         else:
             rxe, fix = "this kernel has no rdma_rxe", (

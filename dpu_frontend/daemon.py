@@ -24,7 +24,7 @@ from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
 from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
-from dpu_frontend.lifecycle import stop_on_signals
+from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
 from dpu_frontend.logs import ACCESS_FORMAT
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.sdnotify import Notifier
@@ -81,7 +81,7 @@ class Daemon:
         self._gauges = asyncio.create_task(self._refresh_gauges(), name="gauges")
         log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d)",
                  cfg.model_name, cfg.host, self.port, len(self.pool.links), files)
-        print(f"daemon listening on http://{cfg.host}:{self.port}", flush=True)
+        announce_ready(DAEMON_READY, f"http://{cfg.host}:{self.port}")
 
     async def drain(self) -> None:
         """Refuse new work, let open requests finish, end the rest explicitly."""

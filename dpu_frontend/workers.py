@@ -25,9 +25,8 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.daemon import CLOSE_GRACE_S
-from dpu_frontend.lifecycle import stop_on_signals
+from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
 from dpu_frontend.sdnotify import Notifier
-from dpu_frontend.softroce.processes import DAEMON_READY
 
 log = logging.getLogger("dpu_frontend.workers")
 
@@ -73,7 +72,7 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
     ready_timeout = config.connect_timeout_s * 2 + 60
     try:
         await asyncio.gather(*(w.start(ready_timeout) for w in workers))
-        print(f"{DAEMON_READY}http://{config.host}:{config.port}", flush=True)
+        announce_ready(DAEMON_READY, f"http://{config.host}:{config.port}")
         notifier.ready(f"{config.workers} workers serving {config.model_name} "
                        f"on port {config.port}")
         watchdog = asyncio.create_task(notifier.watchdog())

@@ -29,7 +29,7 @@ from dpu_frontend import __version__
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import DpuFrontendError, LayoutMismatch, PeerError
-from dpu_frontend.lifecycle import stop_on_signals
+from dpu_frontend.lifecycle import PEER_READY, announce_ready, stop_on_signals
 from dpu_frontend.peer.engine import default_corpus
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.peer.reference import ReferenceKernel
@@ -305,7 +305,7 @@ async def serve_peer(server: PeerServer) -> int:
     stop = stop_on_signals()
     try:
         await server.start()
-        print(f"peer listening on {config.host}:{server.port}", flush=True)
+        announce_ready(PEER_READY, f"{config.host}:{server.port}")
         notifier.ready(f"listening on {config.host}:{server.port}")
         await stop.wait()
         notifier.stopping("closing")

@@ -25,6 +25,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dpu_frontend.transport.verbs.device import kernel_has_rxe
+
 RXE_DEVICE = "rxe0"
 RXE_NETDEV = "rxed0"
 RXE_IP = "10.223.0.1"
@@ -55,14 +57,7 @@ def rxe_ready() -> bool:
 
 def native_possible() -> bool:
     """True when this kernel can create an rxe device itself."""
-    if rxe_ready() or Path("/sys/module/rdma_rxe").is_dir():
-        return True
-    modinfo = shutil.which("modinfo") or "/usr/sbin/modinfo"
-    try:
-        result = subprocess.run([modinfo, "rdma_rxe"], capture_output=True, check=False)
-    except FileNotFoundError:
-        return False
-    return result.returncode == 0
+    return rxe_ready() or kernel_has_rxe()
 
 
 def stock_kernel() -> str:

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 
+from dpu_frontend.lifecycle import DAEMON_READY, PEER_READY
+
 CLI = [sys.executable, "-m", "dpu_frontend.cli"]
-PEER_READY = "peer listening on "
-DAEMON_READY = "daemon listening on "
+__all__ = ["CLI", "DAEMON_READY", "PEER_READY", "start", "stop"]
 
 
 def start(argv: list[str], marker: str, timeout: float,

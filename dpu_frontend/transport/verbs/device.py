@@ -9,12 +9,26 @@ use this module on a machine with no RDMA at all (``root`` is a parameter).
 from __future__ import annotations
 
 import ipaddress
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpu_frontend.errors import StartupError
 
 SYSFS = Path("/sys/class/infiniband")
+
+
+def kernel_has_rxe() -> bool:
+    """True when this kernel can create a soft-RoCE (``rdma_rxe``) device itself."""
+    if Path("/sys/module/rdma_rxe").is_dir():
+        return True
+    modinfo = shutil.which("modinfo") or "/usr/sbin/modinfo"
+    try:
+        result = subprocess.run([modinfo, "rdma_rxe"], capture_output=True, check=False)
+    except FileNotFoundError:
+        return False
+    return result.returncode == 0
 
 
 @dataclass(frozen=True, slots=True)
