@@ -124,7 +124,7 @@ class GpuChannel:
                 self.counters.bad_records += 1
                 continue
             out.append((record, prompt))
-        if out or self._next_seq - 1 != self._consumed_published:
+        if self._next_seq - 1 != self._consumed_published:  # taken records, bad ones too
             # The prompts are copied out above, so the DPU may reuse the slots and the
             # arena spans as soon as it sees this index (release).
             self._consumed_published = self._next_seq - 1
