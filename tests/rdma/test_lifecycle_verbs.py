@@ -38,14 +38,14 @@ async def test_two_peers() -> None:
 async def test_a_lost_gpu_side_qp_is_a_completion_error() -> None:
     """The peer process lives on and its control connection stays open, but its QP is
     gone: the daemon's next RDMA operation fails, and the open stream ends with it."""
-    config = PeerConfig(transport="verbs", rdma=RdmaConfig(ip=RXE_IP), host=RXE_IP, port=0,
-                        tokens_per_s=5, geometry=Geometry(req_slots=4, arena_bytes=4096,
-                                                          resp_slots=16, max_sequences=8))
-    peer = PeerServer(config, *reference_model(config))
+    peer_config = PeerConfig(transport="verbs", rdma=RdmaConfig(ip=RXE_IP), host=RXE_IP, port=0,
+                             tokens_per_s=5, geometry=Geometry(req_slots=4, arena_bytes=4096,
+                                                               resp_slots=16, max_sequences=8))
+    peer = PeerServer(peer_config, *reference_model(peer_config))
     await peer.start()
-    config = ServeConfig(peers=(PeerAddress(RXE_IP, peer.port),), transport="verbs",
-                         rdma=RdmaConfig(ip=RXE_IP), peer_timeout_s=5.0)
-    pool = PeerPool(config, Metrics())
+    serve_config = ServeConfig(peers=(PeerAddress(RXE_IP, peer.port),), transport="verbs",
+                               rdma=RdmaConfig(ip=RXE_IP), peer_timeout_s=5.0)
+    pool = PeerPool(serve_config, Metrics())
     try:
         await pool.start()
         stream = pool.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))

@@ -47,8 +47,8 @@ def fetch(spec: str, prefix: str, dest: Path) -> None:
 def gpt2_tokenizer(folder: Path) -> None:
     vocab = json.loads((folder / "encoder.json").read_text(encoding="utf-8"))
     lines = (folder / "vocab.bpe").read_text(encoding="utf-8").splitlines()
-    merges = [tuple(line.split()) for line in lines[1:] if line.strip()]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))  # type: ignore[arg-type]
+    merges = [(left, right) for left, right in (line.split() for line in lines[1:] if line.strip())]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<|endoftext|>"])

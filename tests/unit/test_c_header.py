@@ -112,7 +112,7 @@ def _program() -> str:
             lines.append(f'key("{s.c_name}.{name}"); printf("%zu", offsetof({s.c_name}, {name}));')
     for c_name, mirror in CTYPES_MIRRORS.items():
         lines.append(f'key("sizeof {c_name}"); printf("%zu", sizeof({c_name}));')
-        for name, _type in mirror._fields_:
+        for name in (field[0] for field in mirror._fields_):  # (name, type) or (name, type, bits)
             lines.append(f'key("{c_name}.{name}"); printf("%zu", offsetof({c_name}, {name}));')
     for name in CONSTANTS:
         lines.append(f'key("{name}"); printf("%llu", (unsigned long long)({name}));')
@@ -144,7 +144,7 @@ def test_every_size_and_offset_matches(c_side: dict[str, object], spec: CStruct)
 def test_the_launcher_mirrors_the_host_api(c_side: dict[str, object], c_name: str) -> None:
     mirror = CTYPES_MIRRORS[c_name]
     assert c_side[f"sizeof {c_name}"] == ctypes.sizeof(mirror)
-    for name, _type in mirror._fields_:
+    for name in (field[0] for field in mirror._fields_):  # (name, type) or (name, type, bits)
         assert c_side[f"{c_name}.{name}"] == getattr(mirror, name).offset, name
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -37,9 +37,11 @@ def vocab(name: str) -> Vocabulary:
 
 
 def reference(source: str, v: Vocabulary, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-    rendered, _ = render_jinja_template([messages], chat_template=source, **v.special_tokens,
-                                        **kwargs)
-    return str(rendered[0])
+    # transformers annotates this function "-> str" but returns (rendered, generation_indices).
+    rendered, _ = cast(tuple[list[str], list[Any]],
+                       render_jinja_template([messages], chat_template=source, **v.special_tokens,
+                                             **kwargs))
+    return rendered[0]
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3_1"])

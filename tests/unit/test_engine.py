@@ -24,8 +24,10 @@ def tokens(records: list[ResponseRecord]) -> list[int]:
     return [t for r in records for t in r.tokens]
 
 
-def admit(e: Engine, rid: int, prompt: tuple[int, ...], **params: object) -> None:
-    e.admit(GenerateRecord(rid, 0, len(prompt), SamplingParams(**params)), prompt, 0.0)  # type: ignore[arg-type]
+def admit(e: Engine, rid: int, prompt: tuple[int, ...], max_tokens: int,
+          stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False) -> None:
+    params = SamplingParams(max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    e.admit(GenerateRecord(rid, 0, len(prompt), params), prompt, 0.0)
 
 
 def test_replay_stops_at_the_document_end_without_emitting_eos() -> None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
 from dpu_frontend.gpu.launcher import GpuPeerConfig
-from dpu_frontend.gpu.runtime import DeviceInfo, build_command, find_nvcc
+from dpu_frontend.gpu.runtime import DeviceInfo, Library, build_command, find_nvcc
+from dpu_frontend.transport.verbs.resources import RdmaResources
 
 
 def device(**fields: int) -> DeviceInfo:
@@ -53,7 +54,9 @@ def test_without_dma_buf_or_peermem_registration_is_refused(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(registration, "PEERMEM_MODULE", tmp_path / "nvidia_peermem")
     with pytest.raises(StartupError, match=r"no dma-buf .* nvidia_peermem module is not loaded"):
-        registration.register_gpu_region(NoDmaBuf(), 1, object(), 4096)  # type: ignore[arg-type]
+        # NoDmaBuf stands in for the ctypes library; the refusal comes before the
+        # (never opened) resources are touched.
+        registration.register_gpu_region(cast(Library, NoDmaBuf()), 1, RdmaResources(), 4096)
 
 
 def test_the_build_is_nvcc_for_the_configured_arch(tmp_path: Path) -> None:

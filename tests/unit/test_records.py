@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -127,9 +128,9 @@ def _layout() -> Layout:
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 68, 65), "max_prompt_tokens 65"),
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 44, 80), "response slot size 80"),
 ])
-def test_layout_mismatches_are_named(patch: object, message: str) -> None:
+def test_layout_mismatches_are_named(patch: Callable[[bytearray], None], message: str) -> None:
     data = bytearray(_layout().encode())
-    patch(data)  # type: ignore[operator]
+    patch(data)
     with pytest.raises(LayoutMismatch, match=message):
         decode_layout(bytes(data))
 

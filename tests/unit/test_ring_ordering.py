@@ -124,10 +124,10 @@ def check_requests(dpu_type: type[DpuChannel]) -> None:
     writes, _sent = dpu.take_writes()
     for op in writes:
         apply(mem, op)
-        for record, prompt in gpu.poll_requests():
+        for record, copied in gpu.poll_requests():
             assert isinstance(record, GenerateRecord)
             assert record.params.max_tokens == record.request_id
-            taken[record.request_id] = prompt
+            taken[record.request_id] = copied
     assert gpu.counters.bad_records == 0, "the GPU saw a committed record before its body"
     assert taken == {rid: tuple(p) for rid, p in prompts.items()}
 
@@ -204,14 +204,14 @@ def check_responses(gpu_type: type[GpuChannel], dpu_type: type[DpuChannel] = Dpu
         for op in poll.writes:
             apply(mem.mem, op)
         data = []
-        for op in poll.reads:
-            data.append(mem.mem.read(op.offset, op.length))
+        for read in poll.reads:
+            data.append(mem.mem.read(read.offset, read.length))
             if gpu_between_reads and backlog:
                 with mem.quiet():  # the GPU goes on between the two READs
                     del backlog[:publish(backlog[:1])]
         records, more = dpu.end_poll(poll, data, clock[0])
-        for op in more:
-            records += dpu.on_records(op, mem.mem.read(op.offset, op.length))
+        for read in more:
+            records += dpu.on_records(read, mem.mem.read(read.offset, read.length))
         got.extend(records)
 
     mem.after = dpu_polls  # (not re-entrant: no publish inside a publish)

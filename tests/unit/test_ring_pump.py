@@ -68,10 +68,10 @@ class Pump:
         poll = self.dpu.begin_poll()
         for op in poll.writes:
             apply(self.mem, op)
-        data = [self.mem.read(op.offset, op.length) for op in poll.reads]
+        data = [self.mem.read(read.offset, read.length) for read in poll.reads]
         records, more = self.dpu.end_poll(poll, data, self.now)
-        for op in more:
-            records += self.dpu.on_records(op, self.mem.read(op.offset, op.length))
+        for read in more:
+            records += self.dpu.on_records(read, self.mem.read(read.offset, read.length))
         return records
 
 
@@ -272,9 +272,9 @@ def test_any_interleaving_delivers_every_token_once_in_order(
     finished: set[int] = set()
     for _ in range(10_000):
         pump.flush()
-        for record, prompt in pump.gpu.poll_requests():
+        for record, echoed in pump.gpu.poll_requests():
             assert isinstance(record, GenerateRecord)
-            chunks = [prompt[i:i + 8] for i in range(0, len(prompt), 8)] or [()]
+            chunks = [echoed[i:i + 8] for i in range(0, len(echoed), 8)] or [()]
             backlog += [ResponseRecord(record.request_id, c) for c in chunks[:-1]]
             backlog.append(ResponseRecord(record.request_id, chunks[-1], FinishReason.STOP))
         sent = pump.gpu.publish(backlog[:per_poll])

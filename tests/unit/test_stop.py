@@ -53,6 +53,7 @@ def test_equals_cutting_the_whole_text(text: str, cuts: list[int], stops: list[s
         i += c
     chunks.append(text[i:])
     hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    expected: tuple[str, str | None]
     if hits:
         _, at, stop = min(hits)
         expected = (text[:at] + (stop if include else ""), stop)
