@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import pairwise
 
 import pytest
 
@@ -11,7 +12,7 @@ from dpu_frontend.errors import TransportError
 from dpu_frontend.ring import ReadOp, WriteOp
 from dpu_frontend.softroce.harness import RXE_IP
 from dpu_frontend.transport.verbs.resources import RdmaResources
-from dpu_frontend.transport.verbs.transport import VerbsTransport, pin
+from dpu_frontend.transport.verbs.transport import POST_CHUNK, VerbsTransport, pin
 
 pytestmark = pytest.mark.rdma
 
@@ -51,13 +52,33 @@ def pair() -> Iterator[tuple[VerbsTransport, Remote]]:
     remote.close()
 
 
-async def test_writes_land_in_order_and_reads_return_them(
+def overlapping_writes(count: int) -> list[WriteOp]:
+    """WRITE ``i`` puts its own 2-byte pattern, 32 to 96 bytes of it, at ``24 * i``:
+    each one's tail is overwritten by the next one to three."""
+    return [WriteOp(24 * i, i.to_bytes(2, "little") * (16 + 8 * (i % 5))) for i in range(count)]
+
+
+def placed(ops: Iterable[WriteOp]) -> bytes:
+    """The region after ``ops`` are applied one after another."""
+    region = bytearray(REGION)
+    for op in ops:
+        region[op.offset:op.offset + len(op.data)] = op.data
+    return bytes(region)
+
+
+async def test_overlapping_writes_land_in_order_and_a_read_returns_them(
         pair: tuple[VerbsTransport, Remote]) -> None:
     transport, remote = pair
-    ops = [WriteOp(i * 100, bytes([i % 256]) * 100) for i in range(600)]  # > one post chunk
+    ops = overlapping_writes(600)
+    assert len(ops) > 2 * POST_CHUNK  # posted in several chunks
+    # Every WRITE overlaps the next, whose first 24 bytes no later one touches: any two
+    # neighbours placed the other way round leave different bytes there.
+    assert all(a.offset + len(a.data) > b.offset for a, b in pairwise(ops))
+    expected = placed(ops)
     await transport.write(ops)
-    for op in ops[:5] + ops[-5:]:
-        assert remote.map[op.offset:op.offset + len(op.data)] == op.data
+    assert remote.map[:] == expected  # the whole region, not a sample
+    written = ops[-1].offset + len(ops[-1].data)
+    assert await transport.read(ReadOp(0, written)) == expected[:written]
     remote.map[REGION - 8:] = b"ABCDEFGH"
     assert await transport.read(ReadOp(REGION - 8, 8)) == b"ABCDEFGH"
 
