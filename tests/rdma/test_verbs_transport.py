@@ -77,7 +77,7 @@ async def test_overlapping_writes_land_in_order_and_a_read_returns_them(
     expected = placed(ops)
     await transport.write(ops)
     assert remote.map[:] == expected  # the whole region, not a sample
-    written = ops[-1].offset + len(ops[-1].data)
+    written = max(op.offset + len(op.data) for op in ops)
     assert await transport.read(ReadOp(0, written)) == expected[:written]
     remote.map[REGION - 8:] = b"ABCDEFGH"
     assert await transport.read(ReadOp(REGION - 8, 8)) == b"ABCDEFGH"
