@@ -115,7 +115,7 @@ async def peers(config: ServeConfig) -> tuple[list[Finding], int]:
             continue
         try:
             layout, channel = session.layout, session.channel
-            if layout is not None and channel is not None:
+            if layout is not None:
                 lay = channel.layout
                 largest = max(largest, staging_bytes_for(lay))
                 found.append(Finding(OK, f"GPU peer {address}: protocol v{layout.version_major}."

@@ -98,7 +98,7 @@ class Daemon:
             left = self.pool.in_flight
             log.warning("drain timeout: ending %d open requests with an error", left)
             self.pool.abort(Unavailable("the daemon is shutting down: the drain timeout ended "
-                                        "this request"))
+                                        "this request"), reason="drain_timeout")
 
     async def _refresh_gauges(self) -> None:
         """Every second, so that the other workers see this one's state at their scrapes."""

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.link import PeerLink
-from dpu_frontend.engine.stream import RequestStream
+from dpu_frontend.engine.request import RingRequest
+from dpu_frontend.engine.session import Connector, PeerSession
 from dpu_frontend.errors import (
     DpuFrontendError,
     LayoutMismatch,
@@ -29,9 +30,10 @@ log = logging.getLogger("dpu_frontend.engine")
 
 
 class PeerPool:
-    def __init__(self, config: ServeConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ServeConfig, metrics: Metrics,
+                 connect: Connector = PeerSession.connect) -> None:
         self.metrics = metrics
-        self.links = [PeerLink(config, address, metrics) for address in config.peers]
+        self.links = [PeerLink(config, address, metrics, connect) for address in config.peers]
         self.draining = False
 
     def update_gauges(self) -> None:
@@ -73,7 +75,7 @@ class PeerPool:
     def in_flight(self) -> int:
         return sum(link.in_flight for link in self.links)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RingRequest:
         if self.draining:
             raise Unavailable("the daemon is draining: it takes no new requests")
         candidates = sorted((link for link in self.links if link.up),
@@ -95,9 +97,9 @@ class PeerPool:
             for link in self.links:
                 await link.idle.wait()
 
-    def abort(self, error: DpuFrontendError) -> None:
+    def abort(self, error: DpuFrontendError, *, reason: str) -> None:
         for link in self.links:
-            link.abort(error)
+            link.abort(error, reason=reason)
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links))

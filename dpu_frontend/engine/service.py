@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
-from dpu_frontend.engine.stream import RequestStream
+from dpu_frontend.engine.request import RingRequest
 from dpu_frontend.errors import PeerError, PromptTooLong, RequestError
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, SamplingParams
@@ -136,23 +136,23 @@ class Service:
 class Generation:
     """One submitted sequence, turned into text deltas as its records arrive."""
 
-    def __init__(self, vocab: Vocabulary, stream: RequestStream, prompt: list[int],
+    def __init__(self, vocab: Vocabulary, request: RingRequest, prompt: list[int],
                  options: TextOptions) -> None:
-        self.stream = stream
+        self.request = request
         self._detok = IncrementalDetokenizer(vocab, context=vocab.context(prompt),
                                              skip_special_tokens=options.skip_special_tokens)
         self._stops = StopMatcher(options.stop, include=options.include_stop)
 
     def cancel(self) -> None:
-        self.stream.cancel()  # a no-op once the final record was read
+        self.request.cancel()  # a no-op once the final record was read
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; their concatenation equals the full decode of
         the generated ids after the prompt, cut at the first stop string."""
-        stream, detok, stops = self.stream, self._detok, self._stops
+        request, detok, stops = self.request, self._detok, self._stops
         count = 0
         try:
-            async for record in stream:
+            async for record in request:
                 count += len(record.tokens)
                 text = stops.feed(detok.push(record.tokens))
                 if record.final:
@@ -162,7 +162,7 @@ class Generation:
                     text += stops.flush()
                 if stops.matched is not None:
                     # Stop generating on the GPU side at once; the rest is not wanted.
-                    stream.cancel()
+                    request.cancel()
                     yield Delta(text, "stop", count)
                     return
                 if record.final:

@@ -1,9 +1,12 @@
 """One connected session with one GPU peer: the handshake, and what it leaves to tear down.
 
 ``PeerSession.connect`` runs the bootstrap of docs/protocol.md section 7:
-the control connection, hello/welcome, the QP to RTS (verbs) or the mapping
-(shm), then the layout record read through the data path and checked
+the control connection, hello/welcome, the transport attached to the granted
+region, then the layout record read through the data path and checked
 against the welcome. ``close`` releases everything in reverse order.
+
+``PeerLink`` sees a session only through ``Session``; tests hand it sessions
+that run the GPU half in the same process (``tests/engine/loopback.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerAddress, ServeConfig
@@ -27,11 +31,28 @@ from dpu_frontend.ring.layout import (
     decode_layout,
 )
 from dpu_frontend.transport.base import Transport
-from dpu_frontend.transport.shm import ShmTransport
-from dpu_frontend.transport.verbs.resources import QpInfo, RdmaResources
-from dpu_frontend.transport.verbs.transport import VerbsTransport
+from dpu_frontend.transport.factory import open_transport
 
-log = logging.getLogger("dpu_frontend.ring")
+log = logging.getLogger("dpu_frontend.engine.session")
+
+
+class Session(Protocol):
+    """What a link needs of a connected session."""
+
+    @property
+    def channel(self) -> DpuChannel: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    async def ended(self) -> None:
+        """Return when the peer ends the session (its control connection closed)."""
+
+    async def close(self) -> None: ...
+
+
+#: How a link opens a session: ``PeerSession.connect`` in the daemon.
+Connector = Callable[[ServeConfig, PeerAddress], Awaitable[Session]]
 
 
 def staging_bytes_for(layout: ChannelLayout) -> int:
@@ -44,86 +65,79 @@ def staging_bytes_for(layout: ChannelLayout) -> int:
 
 
 class PeerSession:
-    def __init__(self, address: PeerAddress) -> None:
+    """A session over a real control connection and a real transport."""
+
+    def __init__(self, address: PeerAddress, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, transport: Transport) -> None:
         self.address = address
-        self.transport: Transport | None = None
-        self.channel: DpuChannel | None = None
+        self.transport = transport
         self.layout: Layout | None = None
         self.channel_index = -1
-        self.reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._resources: RdmaResources | None = None
+        self._channel: DpuChannel | None = None
+        self._reader = reader
+        self._writer: asyncio.StreamWriter | None = writer
+
+    @property
+    def channel(self) -> DpuChannel:
+        if self._channel is None:
+            raise PeerError("session not connected")
+        return self._channel
 
     @classmethod
-    async def connect(cls, config: ServeConfig, address: PeerAddress) -> PeerSession:
-        session = cls(address)
+    async def connect(cls, config: ServeConfig, address: PeerAddress,
+                      transports: Callable[[ServeConfig], Transport] = open_transport,
+                      ) -> PeerSession:
         try:
-            await session._connect(config)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(address.host, address.port), config.connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise PeerError(f"cannot reach GPU peer {address}: {exc}") from exc
+        session: PeerSession | None = None
+        try:
+            session = cls(address, reader, writer, transports(config))
+            await session._handshake(config)
         except BaseException:
-            await session.close()
+            if session is not None:
+                await session.close()
+            else:
+                writer.close()
             raise
         return session
 
-    async def _connect(self, cfg: ServeConfig) -> None:
+    async def _handshake(self, cfg: ServeConfig) -> None:
+        hello = messages.Hello(cfg.transport, cfg.channel, self.transport.offer(),
+                               client=f"dpu-frontend {__version__}")
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.address.host, self.address.port),
-                cfg.connect_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            raise PeerError(f"cannot reach GPU peer {self.address}: {exc}") from exc
-        self.reader, self._writer = reader, writer
-        qp: dict[str, Any] | None = None
-        verbs: VerbsTransport | None = None
-        if cfg.transport == "verbs":
-            self._resources = RdmaResources(cfg.rdma.device, cfg.rdma.ip)
-            self._resources.open()
-            verbs = VerbsTransport(self._resources, staging_bytes=HEADER_SIZE)
-            self.transport = verbs
-            qp = verbs.start().to_dict()
-        hello = messages.Hello(cfg.transport, cfg.channel, qp, client=f"dpu-frontend {__version__}")
-        try:
-            await messages.send(writer, hello.to_dict())
+            await messages.send(self._require_writer(), hello.to_dict())
             welcome = messages.Welcome.from_dict(
-                await asyncio.wait_for(messages.receive(reader), cfg.connect_timeout_s))
+                await asyncio.wait_for(messages.receive(self._reader), cfg.connect_timeout_s))
         except (OSError, TimeoutError) as exc:
             raise PeerError(f"handshake with GPU peer {self.address} failed: {exc}") from exc
-        try:
-            if verbs is not None:
-                if welcome.qp is None:
-                    raise PeerError("peer sent no QP description")
-                verbs.connect(QpInfo.from_dict(welcome.qp), int(welcome.region["addr"]),
-                              int(welcome.region["rkey"]), welcome.region_size)
-            else:
-                shm = ShmTransport(str(welcome.region["path"]), welcome.region_size)
-                self.transport = shm
-                shm.start()
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PeerError(f"peer {self.address} described its region badly: {exc!r}") from exc
+        self.transport.attach(welcome.region, welcome.region_size, welcome.qp)
         self.layout = await self._read_layout(welcome)
         channel_layout = self.layout.channels[welcome.channel]
-        if verbs is not None:
-            verbs.reserve(staging_bytes_for(channel_layout))
-        self.channel = DpuChannel(channel_layout, welcome.epoch)
-        self.channel.heartbeat_at = time.monotonic()  # the stall clock starts now
+        self.transport.reserve(staging_bytes_for(channel_layout))
+        self._channel = DpuChannel(channel_layout, welcome.epoch, time.monotonic())
         self.channel_index = welcome.channel
         log.info("connected to peer %s channel %d epoch %d over %s (instance %x, protocol v%d.%d)",
                  self.address, welcome.channel, welcome.epoch, cfg.transport,
                  self.layout.instance, self.layout.version_major, self.layout.version_minor)
 
+    def _require_writer(self) -> asyncio.StreamWriter:
+        if self._writer is None:
+            raise PeerError("session closed")
+        return self._writer
+
     async def _read_layout(self, welcome: messages.Welcome) -> Layout:
-        transport = self.transport
-        if transport is None:
-            raise PeerError("no transport")
         if welcome.region_size < HEADER_SIZE:
             raise LayoutMismatch(f"peer region of {welcome.region_size} bytes is too small")
-        head = await transport.read(ReadOp(0, HEADER_SIZE))
+        head = await self.transport.read(ReadOp(0, HEADER_SIZE))
         size = decode_header_size(head)
         if not HEADER_SIZE <= size <= welcome.region_size:
             raise LayoutMismatch(f"layout record of {size} bytes in a region of "
                                  f"{welcome.region_size}")
-        if isinstance(transport, VerbsTransport):
-            transport.reserve(size)
-        layout = decode_layout(await transport.read(ReadOp(0, size)))
+        self.transport.reserve(size)
+        layout = decode_layout(await self.transport.read(ReadOp(0, size)))
         if layout.instance != welcome.instance or layout.region_size != welcome.region_size:
             raise LayoutMismatch("layout record does not match the peer's welcome "
                                  "(instance or region size): stale or foreign region")
@@ -132,16 +146,15 @@ class PeerSession:
                                  f"{len(layout.channels)}")
         return layout
 
+    async def ended(self) -> None:
+        with contextlib.suppress(OSError):
+            await self._reader.read()
+
     async def close(self) -> None:
-        """Control connection, then QP and staging MR, then PD and context."""
+        """Control connection, then the transport (QP, staging MR, PD, context)."""
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(ConnectionError):
                 await self._writer.wait_closed()
             self._writer = None
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-        if self._resources is not None:
-            self._resources.close()
-            self._resources = None
+        self.transport.close()

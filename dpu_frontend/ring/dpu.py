@@ -93,7 +93,7 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 class DpuChannel:
     """Sequence numbers, credits, the prompt arena and response parsing for one channel."""
 
-    def __init__(self, layout: ChannelLayout, epoch: int) -> None:
+    def __init__(self, layout: ChannelLayout, epoch: int, now: float = 0.0) -> None:
         self.layout = layout
         self.epoch = epoch  # the attachment; every record must carry it
         self._pending: deque[_Pending] = deque()  # generates, in submission order
@@ -110,7 +110,7 @@ class DpuChannel:
         self._resp_produced = 0
         self._window = MIN_WINDOW
         self.heartbeat = 0
-        self.heartbeat_at = 0.0
+        self.heartbeat_at = now  # when the heartbeat last moved; the stall clock starts now
 
     # -- requests ---------------------------------------------------------
 

@@ -8,17 +8,40 @@ file, with the barriers RC gives. Both are driven by the same sans-I/O
 A transport runs one batch at a time (the channel's poll loop awaits each
 call), which lets the verbs side stage every batch in a single registered
 buffer.
+
+Its life follows the bootstrap (docs/protocol.md section 7): ``offer`` sets
+up the local end and says what the hello carries, ``attach`` reaches the
+region the welcome describes, ``reserve`` sizes it for the channel's largest
+batch, then ``exchange`` until ``close``. ``transport/factory.py`` picks the
+class from the configuration, so the session never asks which one it holds.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
+from typing import Any
 
 from dpu_frontend.ring import ReadOp, WriteOp
 
 
 class Transport(abc.ABC):
     """The DPU's view of one channel of a peer's region."""
+
+    def offer(self) -> dict[str, Any] | None:
+        """Set up the local end; what the hello carries to the peer (verbs: the QP)."""
+        return None
+
+    @abc.abstractmethod
+    def attach(self, region: Mapping[str, Any], size: int,
+               remote: Mapping[str, Any] | None) -> None:
+        """Reach the ``size``-byte region the peer's welcome describes (``region``,
+        and ``remote``, the peer's QP, for verbs). Raises ``PeerError`` when the
+        description is unusable."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for batches of up to ``nbytes`` (verbs: the staging buffer)."""
+        return  # a copy needs no room of its own
 
     @abc.abstractmethod
     async def exchange(self, writes: list[WriteOp], reads: list[ReadOp]) -> list[bytes]:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Mapping
+from typing import Any
 
-from dpu_frontend.errors import TransportError
+from dpu_frontend.errors import PeerError, TransportError
 from dpu_frontend.ring import ReadOp, WriteOp
 from dpu_frontend.ring.memory import AtomicMemory, fence_acquire, fence_release
 from dpu_frontend.transport.base import Transport
@@ -53,11 +55,19 @@ SMALL_READ = 128
 
 
 class ShmTransport(Transport):
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str = "", size: int = 0) -> None:
         self.path = path
         self.size = size
         self._map: mmap.mmap | None = None
         self._atomic: AtomicMemory | None = None
+
+    def attach(self, region: Mapping[str, Any], size: int,
+               remote: Mapping[str, Any] | None) -> None:
+        path = region.get("path")
+        if not isinstance(path, str) or not path:
+            raise PeerError(f"shm region without a path: {dict(region)!r}")
+        self.path, self.size = path, size
+        self.start()
 
     def start(self) -> None:
         self._map = map_file(self.path, self.size, create=False)

@@ -17,9 +17,11 @@ import itertools
 import logging
 import mmap
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from dpu_frontend.errors import TransportError
+from dpu_frontend.config import RdmaConfig
+from dpu_frontend.errors import PeerError, TransportError
 from dpu_frontend.ring import ReadOp, WriteOp
 from dpu_frontend.transport.base import Transport
 from dpu_frontend.transport.verbs import compat
@@ -47,8 +49,10 @@ def pin(buf: mmap.mmap) -> tuple[int, ctypes.c_char]:
 
 
 class VerbsTransport(Transport):
-    def __init__(self, resources: RdmaResources, staging_bytes: int) -> None:
+    def __init__(self, resources: RdmaResources, staging_bytes: int, *,
+                 owns_resources: bool = False) -> None:
         self.resources = resources
+        self._owns_resources = owns_resources  # close them too (the daemon's one QP each)
         self.staging_bytes = staging_bytes
         self.qp: Any = None
         self.local: QpInfo | None = None
@@ -60,6 +64,27 @@ class VerbsTransport(Transport):
         self._address = 0
         self._anchor: ctypes.c_char | None = None
         self._ids = itertools.count(1)
+
+    @classmethod
+    def open(cls, rdma: RdmaConfig, staging_bytes: int) -> VerbsTransport:
+        """Open the device (context, PD, CQ) for a transport that owns it."""
+        resources = RdmaResources(rdma.device, rdma.ip)
+        resources.open()
+        return cls(resources, staging_bytes, owns_resources=True)
+
+    def offer(self) -> dict[str, Any]:
+        return self.start().to_dict()
+
+    def attach(self, region: Mapping[str, Any], size: int,
+               remote: Mapping[str, Any] | None) -> None:
+        if remote is None:
+            raise PeerError("peer sent no QP description")
+        try:
+            info = QpInfo.from_dict(dict(remote))
+            addr, rkey = int(region["addr"]), int(region["rkey"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"peer described its region or QP badly: {exc!r}") from exc
+        self.connect(info, addr, rkey, size)
 
     def start(self) -> QpInfo:
         """Register the staging buffer and create the QP; return what the peer needs."""
@@ -183,10 +208,13 @@ class VerbsTransport(Transport):
                 await asyncio.sleep(delay)
 
     def close(self) -> None:
+        """QP, then staging MR, then (when owned) PD and context."""
         if self.qp is not None:
             self.resources.destroy_qp(self.qp)
             self.qp = None
         self._release_staging()
+        if self._owns_resources:
+            self.resources.close()
 
     def _release_staging(self) -> None:
         if self._mr is not None:

@@ -1,4 +1,9 @@
-"""The response records of one request, as its handler consumes them."""
+"""One request on a channel's rings: its response records as its handler consumes them.
+
+(A *stream* is what the client sees: the SSE response of ``stream: true``.
+A ``RingRequest`` is one sequence on the ring, one request id; a request
+with ``n`` choices has ``n`` of them.)
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from dpu_frontend.errors import DpuFrontendError
 from dpu_frontend.ring import ResponseRecord
 
 
-class RequestStream:
+class RingRequest:
     """Records of one request, in order, ending with a final one (or an error).
 
     The buffer holds at most ``limit`` records: a client that reads slower
@@ -20,7 +25,7 @@ class RequestStream:
     """
 
     def __init__(self, request_id: int, cost: int, limit: int,
-                 on_cancel: Callable[[RequestStream], None]) -> None:
+                 on_cancel: Callable[[RingRequest], None]) -> None:
         self.request_id = request_id
         self.cost = cost  # outstanding tokens charged to its link until it ends
         self.limit = limit
@@ -59,7 +64,7 @@ class RequestStream:
             self._error = error
             self._ready.set()
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> RingRequest:
         return self
 
     async def __anext__(self) -> ResponseRecord:
