@@ -1,23 +1,59 @@
 """Typed, frozen configuration, built once at the edge (the CLI) and passed down.
 
 Every field is validated in ``__post_init__`` with a ``ValueError`` that names
-it; nothing reads the environment at the point of use.
+it; nothing reads the environment at the point of use. A setting's default
+and its explanation are written once, here, on its field (``about``): the
+file/environment keys, the ``serve`` flags and their help are derived from
+them (``settings.SETTINGS``), and the peers' flags take their defaults from
+``PeerConfig``.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dpu_frontend.ring import Geometry
 
-TRANSPORTS = ("verbs", "shm")
+DEFAULT_TRANSPORT = "verbs"  # the product; shm is its shared-memory twin for development
+TRANSPORTS = (DEFAULT_TRANSPORT, "shm")
+PEER_MODES = ("replay", "echo")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 
 
-def _check_transport(transport: str) -> None:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """What a setting means and how it is spelled as a flag: its field's metadata."""
+
+    help: str
+    none: str = ""  # what a None default means (shown as the default)
+    flag: str = ""  # "": the key with dashes, less a unit suffix _s (poll_interval_s: --poll-interval)
+    choices: tuple[str, ...] = ()
+    hidden: bool = False  # set by the program (the worker supervisor), not by people
+
+
+_DOC = "dpu_frontend.doc"
+
+
+def about(help: str, *, none: str = "", flag: str = "", choices: tuple[str, ...] = (),
+          hidden: bool = False) -> dict[str, Doc]:
+    """A setting field's metadata: ``field(default=..., metadata=about(...))``."""
+    return {_DOC: Doc(help, none, flag, choices, hidden)}
+
+
+def doc(config_field: Field[Any]) -> Doc:
+    found = config_field.metadata.get(_DOC)
+    if not isinstance(found, Doc):
+        raise TypeError(f"{config_field.name} is not a setting: its metadata has no Doc")
+    return found
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _check_port(name: str, port: int) -> None:
@@ -46,12 +82,19 @@ class PeerAddress:
         return f"{self.host}:{self.port}"
 
 
+#: Where the reference peer listens and the daemon looks for it, unless told otherwise.
+DEFAULT_PEER = PeerAddress("127.0.0.1", 18515)
+
+
 @dataclass(frozen=True, slots=True)
 class RdmaConfig:
     """Which RDMA device and GID to use (verbs transport only)."""
 
-    device: str | None = None  # e.g. rxe0, mlx5_2
-    ip: str | None = None  # the RoCE address; selects device and GID index
+    device: str | None = field(default=None, metadata=about(
+        "RDMA device name (rxe0, mlx5_2)", none="the one matching --rdma-ip, or the only device"))
+    ip: str | None = field(default=None, metadata=about(
+        "RoCE address whose GID to use (selects device and GID index)",
+        none="the device's IPv4-mapped RoCE v2 GID"))
 
     def __post_init__(self) -> None:
         if self.ip is not None:
@@ -62,41 +105,78 @@ class RdmaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """How the CLI sets up logging (settings ``log_level``, ``log_format``); no part of the daemon's."""
+
+    level: str = field(default="INFO", metadata=about("log level", choices=LOG_LEVELS))
+    format: str = field(default="text", metadata=about("text, or json (JSON lines)",
+                                                       choices=LOG_FORMATS))
+
+    def __post_init__(self) -> None:
+        _check_choice("log_level", self.level, LOG_LEVELS)
+        _check_choice("log_format", self.format, LOG_FORMATS)
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """The daemon (``dpu-frontend serve``)."""
 
-    peers: tuple[PeerAddress, ...]  # one per GPU; requests go to the least loaded
-    transport: str = "verbs"
-    rdma: RdmaConfig = field(default_factory=RdmaConfig)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str = "qwen3"
-    tokenizer: Path | None = None  # None: the bundled Qwen3 tokenizer
-    chat_template: Path | None = None  # None: the tokenizer config's chat_template
-    max_model_len: int | None = None  # None: the tokenizer config's model_max_length
-    channel: int = -1  # the peer's ring pair to claim; -1: any free one
-    poll_interval_s: float = 0.0005  # between polls while requests are in flight
-    idle_poll_interval_s: float = 0.01  # between polls with nothing in flight
-    connect_timeout_s: float = 10.0
+    peers: tuple[PeerAddress, ...] = field(default=(DEFAULT_PEER,), metadata=about(
+        "GPU peer control address HOST:PORT; repeat for several GPUs (each request goes to "
+        "the least loaded)", flag="--peer"))
+    transport: str = field(default=DEFAULT_TRANSPORT, metadata=about(
+        "verbs (RDMA, the product) or shm (shared-memory twin)", choices=TRANSPORTS))
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)  # settings rdma_device, rdma_ip
+    host: str = field(default="127.0.0.1", metadata=about("HTTP listen address"))
+    port: int = field(default=8000, metadata=about("HTTP listen port, 0 for any"))
+    model_name: str = field(default="qwen3", metadata=about("the model name clients send"))
+    tokenizer: Path | None = field(default=None, metadata=about(
+        "tokenizer.json or a directory holding it", none="the bundled Qwen3 tokenizer"))
+    chat_template: Path | None = field(default=None, metadata=about(
+        "a .jinja chat template", none="the tokenizer config's chat_template"))
+    max_model_len: int | None = field(default=None, metadata=about(
+        "context length", none="the tokenizer config's model_max_length"))
+    channel: int = field(default=-1, metadata=about(
+        "the peers' ring pair to claim, -1 for any free one"))
+    poll_interval_s: float = field(default=0.0005, metadata=about(
+        "seconds between response-ring polls while requests are in flight"))
+    idle_poll_interval_s: float = field(default=0.01, metadata=about(
+        "seconds between response-ring polls with nothing in flight"))
+    connect_timeout_s: float = field(default=10.0, metadata=about(
+        "seconds a peer's TCP connect, and each handshake message, may take"))
     # A peer is failed when its heartbeat stops or an RDMA operation does not
     # complete for this long; every open stream then gets its error.
-    peer_timeout_s: float = 1.0
-    reconnect_initial_s: float = 0.1  # first retry after a failure, doubling ...
-    reconnect_max_s: float = 5.0  # ... up to this
+    peer_timeout_s: float = field(default=1.0, metadata=about(
+        "seconds without a heartbeat or an RDMA completion before a peer is failed and its "
+        "streams end with an error"))
+    reconnect_initial_s: float = field(default=0.1, metadata=about(
+        "first wait before reconnecting to a failed peer, seconds; it doubles up to "
+        "--reconnect-max"))
+    reconnect_max_s: float = field(default=5.0, metadata=about(
+        "longest wait between reconnection attempts, seconds"))
     # Admission: the queue in front of each peer's request ring.
-    max_queued_requests: int = 1024
-    max_queued_prompt_tokens: int = 1 << 20
-    stream_buffer_records: int = 4096  # per request; a slower client is cut off
-    drain_timeout_s: float = 30.0
-    tokenizer_threads: int = 2
+    max_queued_requests: int = field(default=1024, metadata=about(
+        "requests waiting for each peer's request ring before 429"))
+    max_queued_prompt_tokens: int = field(default=1 << 20, metadata=about(
+        "prompt tokens waiting for each peer's request ring before 429"))
+    stream_buffer_records: int = field(default=4096, metadata=about(
+        "response records buffered for one slow client before it is cut off"))
+    drain_timeout_s: float = field(default=30.0, metadata=about(
+        "seconds open requests get to finish on SIGTERM"))
+    tokenizer_threads: int = field(default=2, metadata=about(
+        "threads tokenizing prompts off the event loop"))
     # Worker processes sharing the HTTP port (SO_REUSEPORT), each with its own
     # channel and QP to every peer (the peers need as many channels).
-    workers: int = 1
-    worker_index: int | None = None  # set by the supervisor for its workers
-    metrics_dir: Path | None = None  # prometheus-client multiprocess directory (workers)
+    workers: int = field(default=1, metadata=about(
+        "worker processes sharing the HTTP port, each with its own channel to every peer"))
+    worker_index: int | None = field(default=None, metadata=about(
+        "this worker's number", none="not a worker", hidden=True))
+    metrics_dir: Path | None = field(default=None, metadata=about(
+        "prometheus-client multiprocess directory of the workers", none="single process",
+        hidden=True))
 
     def __post_init__(self) -> None:
-        _check_transport(self.transport)
+        _check_choice("transport", self.transport, TRANSPORTS)
         _check_port("port", self.port)
         if not self.peers:
             raise ValueError("peers: at least one GPU peer address is needed")
@@ -128,10 +208,10 @@ class ServeConfig:
 class PeerConfig:
     """The reference GPU peer (``dpu-frontend peer``)."""
 
-    transport: str = "verbs"
+    transport: str = DEFAULT_TRANSPORT
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
-    host: str = "127.0.0.1"
-    port: int = 18515
+    host: str = DEFAULT_PEER.host
+    port: int = DEFAULT_PEER.port
     shm_path: Path = Path("/dev/shm/dpu-frontend-peer")
     geometry: Geometry = field(default_factory=Geometry)
     mode: str = "replay"
@@ -141,10 +221,9 @@ class PeerConfig:
     tokenizer: Path | None = None
 
     def __post_init__(self) -> None:
-        _check_transport(self.transport)
+        _check_choice("transport", self.transport, TRANSPORTS)
         _check_port("port", self.port)
-        if self.mode not in ("replay", "echo"):
-            raise ValueError(f"mode must be replay or echo, got {self.mode!r}")
+        _check_choice("mode", self.mode, PEER_MODES)
         if self.tokens_per_s < 0:
             raise ValueError("tokens_per_s must be >= 0 (0: as fast as possible)")
         if not 0 < self.tick_s <= 1:

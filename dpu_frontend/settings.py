@@ -2,21 +2,31 @@
 
 Later sources win: defaults < ``/etc/dpu-frontend/config.toml`` (or
 ``--config``) < environment < flags given on the command line. Every key is
-a ``ServeConfig`` field name (``[serve]`` table of the file; upper-cased with
-the ``DPU_FRONTEND_`` prefix in the environment). A bad value is an error
-that names its key and where it came from; nothing reads the environment
-anywhere else.
+a ``ServeConfig`` field name, an ``RdmaConfig`` one as ``rdma_*`` or a
+``LoggingConfig`` one as ``log_*`` (``[serve]`` table of the file, with
+``[serve.rdma]``; upper-cased with the ``DPU_FRONTEND_`` prefix in the
+environment). The keys, their parsers, flags and defaults are all derived
+from the dataclass fields (``SETTINGS``). A bad value is an error that names
+its key and where it came from; nothing reads the environment anywhere else.
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
-from dpu_frontend.config import PeerAddress, RdmaConfig, ServeConfig
+from dpu_frontend.config import (
+    Doc,
+    LoggingConfig,
+    PeerAddress,
+    RdmaConfig,
+    ServeConfig,
+    doc,
+)
 
 DEFAULT_PATH = Path("/etc/dpu-frontend/config.toml")
 ENV_PREFIX = "DPU_FRONTEND_"
@@ -51,44 +61,69 @@ def _typed(kind: type) -> Callable[[Any], Any]:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"expected {kind.__name__}, got {type(value).__name__}")
         return value
+    parse.__name__ = kind.__name__  # argparse names a flag's type in its errors: "invalid int value"
     return parse
 
 
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda value: None if value in ("", None) else parse(value)
+    def optional(value: Any) -> Any:
+        return None if value in ("", None) else parse(value)
+    optional.__name__ = parse.__name__
+    return optional
 
 
-#: Every setting: its parser. ``rdma_device``/``rdma_ip`` fill ``ServeConfig.rdma``.
-PARSERS: dict[str, Callable[[Any], Any]] = {
-    "peers": _peers,
-    "transport": _typed(str),
-    "rdma_device": _optional(_typed(str)),
-    "rdma_ip": _optional(_typed(str)),
-    "host": _typed(str),
-    "port": _typed(int),
-    "model_name": _typed(str),
-    "tokenizer": _optional(_typed(Path)),
-    "chat_template": _optional(_typed(Path)),
-    "max_model_len": _optional(_typed(int)),
-    "channel": _typed(int),
-    "poll_interval_s": _typed(float),
-    "idle_poll_interval_s": _typed(float),
-    "connect_timeout_s": _typed(float),
-    "peer_timeout_s": _typed(float),
-    "reconnect_initial_s": _typed(float),
-    "reconnect_max_s": _typed(float),
-    "max_queued_requests": _typed(int),
-    "max_queued_prompt_tokens": _typed(int),
-    "stream_buffer_records": _typed(int),
-    "drain_timeout_s": _typed(float),
-    "tokenizer_threads": _typed(int),
-    "workers": _typed(int),
-    "worker_index": _optional(_typed(int)),
-    "metrics_dir": _optional(_typed(Path)),
-    "log_format": _typed(str),
-    "log_level": _typed(str),
-}
-_FIELDS = {f.name for f in fields(ServeConfig)}
+def _parser(kind: Any) -> Callable[[Any], Any]:
+    """The parser of a field's type: the types the config dataclasses use, and no others."""
+    if kind == tuple[PeerAddress, ...]:
+        return _peers
+    if get_origin(kind) is UnionType and type(None) in get_args(kind):
+        (inner,) = (a for a in get_args(kind) if a is not type(None))
+        return _optional(_parser(inner))
+    if kind in (str, int, float, bool, Path):
+        return _typed(kind)
+    raise TypeError(f"no settings parser for {kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One key of the file, the environment and the flags, derived from a config field."""
+
+    key: str  # serve.KEY in the file (rdma_*: serve.rdma.*), DPU_FRONTEND_KEY, the flag's dest
+    owner: type  # the dataclass whose field it is
+    name: str  # the field's name there
+    default: Any
+    doc: Doc
+    parse: Callable[[Any], Any]
+
+    @property
+    def flag(self) -> str:
+        return self.doc.flag or "--" + self.key.removesuffix("_s").replace("_", "-")
+
+    @property
+    def repeated(self) -> bool:
+        """A tuple setting: its flag is given once per item."""
+        return isinstance(self.default, tuple)
+
+
+def _settings(cls: type, prefix: str = "") -> dict[str, Setting]:
+    """``cls``'s fields as settings; a nested config's fields as ``<field>_<name>``."""
+    hints = get_type_hints(cls)
+    out: dict[str, Setting] = {}
+    for config_field in fields(cls):
+        kind, key = hints[config_field.name], prefix + config_field.name
+        if isinstance(kind, type) and is_dataclass(kind):
+            out |= _settings(kind, f"{key}_")
+        else:
+            out[key] = Setting(key, cls, config_field.name, config_field.default,
+                               doc(config_field), _parser(kind))
+    return out
+
+
+#: Every setting, in ``--help`` order. Logging is set up by the CLI, so its
+#: settings (``log_*``) are read with the daemon's but kept out of ``ServeConfig``.
+SETTINGS: dict[str, Setting] = _settings(ServeConfig) | _settings(LoggingConfig, "log_")
+#: Every setting: its parser.
+PARSERS: dict[str, Callable[[Any], Any]] = {key: s.parse for key, s in SETTINGS.items()}
 
 
 def read_file(path: Path | None) -> dict[str, Any]:
@@ -125,14 +160,28 @@ def read_environment(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _where_flag(key: str) -> str:
+    setting = SETTINGS.get(key)
+    return f"flag {setting.flag if setting else key}"
+
+
+def _fields_of(owner: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values that belong to ``owner``'s fields, by field name."""
+    return {SETTINGS[key].name: value for key, value in values.items()
+            if SETTINGS[key].owner is owner}
+
+
 def build(flags: Mapping[str, Any], *, config_path: Path | None,
-          env: Mapping[str, str]) -> tuple[ServeConfig, dict[str, Any]]:
-    """The daemon's config, and the logging settings (not part of it)."""
+          env: Mapping[str, str]) -> tuple[ServeConfig, LoggingConfig]:
+    """The daemon's config, and the logging settings (not part of it).
+
+    ``flags`` maps keys to what the command line gave (None: not given); they
+    are parsed like the environment's strings, so all three sources agree.
+    """
     sources: dict[str, tuple[str, Any]] = {}
     sources |= read_file(config_path)
     sources |= read_environment(env)
-    sources |= {f"flag --{k.replace('_', '-')}": (k, v) for k, v in flags.items()
-                if v is not None}
+    sources |= {_where_flag(k): (k, v) for k, v in flags.items() if v is not None}
     values: dict[str, Any] = {}
     for where, (key, raw) in sources.items():
         parse = PARSERS.get(key)
@@ -142,11 +191,10 @@ def build(flags: Mapping[str, Any], *, config_path: Path | None,
             values[key] = parse(raw)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-    logging: dict[str, Any] = {k: values.pop(k) for k in ("log_format", "log_level") if k in values}
-    rdma = RdmaConfig(device=values.pop("rdma_device", None), ip=values.pop("rdma_ip", None))
-    values.setdefault("peers", (PeerAddress("127.0.0.1", 18515),))
+    rdma = RdmaConfig(**_fields_of(RdmaConfig, values))
     try:
-        config = ServeConfig(rdma=rdma, **{k: v for k, v in values.items() if k in _FIELDS})
+        config = ServeConfig(rdma=rdma, **_fields_of(ServeConfig, values))
+        logging = LoggingConfig(**_fields_of(LoggingConfig, values))
     except ValueError as exc:
         raise ValueError(f"configuration: {exc}") from exc
     return config, logging

@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import ctypes
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,28 +78,31 @@ class GpuPeerConfig:
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """The CUDA peer's own flags, one per ``GpuPeerConfig`` field (``peer`` aside), named
+    after it and defaulting to it."""
     defaults = GpuPeerConfig()
     add = parser.add_argument
-    add("--device", type=int, default=defaults.device, help="CUDA device ordinal")
+    add("--device", type=int, default=defaults.device, help="CUDA device ordinal (default %(default)s)")
     add("--engine-blocks", type=int, default=defaults.engine_blocks,
-        help="blocks of the persistent kernel, 0: one per SM")
+        help="blocks of the persistent kernel, 0: one per SM (default %(default)s)")
     add("--step-us", type=float, default=defaults.step_us,
-        help="minimum engine step in microseconds (a decode step's duration), 0: no pacing")
+        help="minimum engine step in microseconds (a decode step's duration), 0: no pacing "
+             "(default %(default)s)")
     add("--prefill-us-per-token", type=float, default=defaults.prefill_us_per_token,
-        help="simulated prefill cost per prompt token, microseconds")
+        help="simulated prefill cost per prompt token, microseconds (default %(default)s)")
     add("--heartbeat-us", type=float, default=defaults.heartbeat_us,
-        help="period of the heartbeat warp, microseconds")
-    add("--library", type=Path, default=None, help="a prebuilt libdpuf_peer.so (default: build)")
-    add("--build-dir", type=Path, default=defaults.build_dir, help="where nvcc's build is cached")
+        help="period of the heartbeat warp, microseconds (default %(default)s)")
+    add("--library", type=Path, default=defaults.library,
+        help="a prebuilt libdpuf_peer.so (default: build)")
+    add("--build-dir", type=Path, default=defaults.build_dir,
+        help="where nvcc's build is cached (default %(default)s)")
     add("--cuda-arch", default=defaults.cuda_arch, help="nvcc -arch (default %(default)s)")
-    add("--nvcc", default=None, help="the nvcc to build with (default: PATH, then CUDA_HOME)")
+    add("--nvcc", default=defaults.nvcc, help="the nvcc to build with (default: PATH, then CUDA_HOME)")
 
 
 def gpu_peer_config(args: argparse.Namespace, peer: PeerConfig) -> GpuPeerConfig:
-    return GpuPeerConfig(peer=peer, device=args.device, engine_blocks=args.engine_blocks,
-                         step_us=args.step_us, prefill_us_per_token=args.prefill_us_per_token,
-                         heartbeat_us=args.heartbeat_us, library=args.library,
-                         build_dir=args.build_dir, cuda_arch=args.cuda_arch, nvcc=args.nvcc)
+    own = {f.name: getattr(args, f.name) for f in fields(GpuPeerConfig) if f.name != "peer"}
+    return GpuPeerConfig(peer=peer, **own)
 
 
 class CudaKernel(PeerKernel):

@@ -1,4 +1,5 @@
-"""The shipped deployment files agree with the code: config example, dashboard, units."""
+"""The shipped deployment files agree with the code: config example, dashboard, units, and
+the defaults the operations guide quotes."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import json
 import re
 from pathlib import Path
 
+from dpu_frontend.config import LoggingConfig
+from dpu_frontend.daemon import CLOSE_GRACE_S
 from dpu_frontend.metrics import Metrics
-from dpu_frontend.settings import build
+from dpu_frontend.settings import SETTINGS, build
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -15,7 +18,7 @@ ROOT = Path(__file__).parent.parent.parent
 def test_the_bluefield_config_example_is_valid() -> None:
     config, logging_ = build({}, config_path=ROOT / "deploy/bluefield/config.toml", env={})
     assert config.transport == "verbs" and config.rdma.ip == "10.10.0.2"
-    assert logging_ == {"log_level": "INFO", "log_format": "json"}
+    assert logging_ == LoggingConfig(level="INFO", format="json")
 
 
 def test_the_dashboard_only_queries_metrics_the_daemon_exports() -> None:
@@ -36,5 +39,20 @@ def test_the_dashboard_only_queries_metrics_the_daemon_exports() -> None:
 def test_unit_stop_timeout_exceeds_the_drain() -> None:
     unit = (ROOT / "systemd/dpu-frontend.service").read_text()
     stop = int(re.search(r"^TimeoutStopSec=(\d+)", unit, re.MULTILINE).group(1))  # type: ignore[union-attr]
-    assert stop > 30 + 5  # default drain_timeout_s + the close grace
+    assert stop > SETTINGS["drain_timeout_s"].default + CLOSE_GRACE_S
     assert "LimitMEMLOCK=infinity" in unit and "Type=notify" in unit and "WatchdogSec=" in unit
+
+
+def test_the_config_example_comments_out_only_real_settings() -> None:
+    text = (ROOT / "deploy/bluefield/config.toml").read_text()
+    commented = re.findall(r"^# (\w+) = ", text, re.MULTILINE)
+    assert commented and all(k in SETTINGS or f"rdma_{k}" in SETTINGS for k in commented), commented
+
+
+def test_the_operations_guide_quotes_the_real_defaults() -> None:
+    text = (ROOT / "docs/operations.md").read_text()
+    quoted = re.findall(r"`(--[\w-]+)`,?\s+\(?(\d+(?:\.\d+)?)(?: s)?[),]", text)
+    by_flag = {s.flag: s for s in SETTINGS.values()}
+    assert len(quoted) >= 6, quoted
+    for flag, value in quoted:
+        assert float(value) == by_flag[flag].default, (flag, value)
