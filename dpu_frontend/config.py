@@ -188,8 +188,6 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
-        if self.workers > 1 and self.port == 0:
-            raise ValueError("workers > 1 needs a fixed port (they share it)")
         for name in ("max_queued_requests", "max_queued_prompt_tokens", "stream_buffer_records",
                      "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:

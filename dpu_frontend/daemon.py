@@ -22,6 +22,7 @@ from aiohttp import web
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
+from dpu_frontend.engine.session import Connector, PeerSession
 from dpu_frontend.errors import Unavailable
 from dpu_frontend.http.app import create_app
 from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
@@ -48,10 +49,10 @@ def raise_open_files_limit() -> int:
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, connect: Connector = PeerSession.connect) -> None:
         self.config = config
         self.metrics = Metrics(config.metrics_dir)
-        self.pool = PeerPool(config, self.metrics)
+        self.pool = PeerPool(config, self.metrics, connect)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
         self.site: web.TCPSite | None = None
@@ -78,6 +79,8 @@ class Daemon:
                                 reuse_port=cfg.worker_index is not None)
         await self.site.start()
         self.port = self.runner.addresses[0][1]
+        # Set before the ready line: a supervisor's scrape sees this worker's state at once.
+        self.pool.update_gauges()
         self._gauges = asyncio.create_task(self._refresh_gauges(), name="gauges")
         log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d)",
                  cfg.model_name, cfg.host, self.port, len(self.pool.links), files)
@@ -103,8 +106,8 @@ class Daemon:
     async def _refresh_gauges(self) -> None:
         """Every second, so that the other workers see this one's state at their scrapes."""
         while True:
-            self.pool.update_gauges()
             await asyncio.sleep(GAUGE_INTERVAL_S)
+            self.pool.update_gauges()
 
     async def stop(self) -> None:
         if self._gauges is not None:

@@ -3,7 +3,9 @@
 Each worker is a whole daemon (``serve --worker-index i``) with its own event
 loop, tokenizer threads and, to every GPU peer, its own channel and QP: no
 QP, ring or lock is shared between the DPU's cores. The kernel spreads new
-connections over the workers (SO_REUSEPORT). Metrics aggregate through
+connections over the workers (SO_REUSEPORT); the supervisor binds the port
+first, so that port 0 becomes one port the kernel chose for all of them and
+no other program can take it between two workers' starts. Metrics aggregate through
 prometheus-client's multiprocess directory, which the supervisor creates and
 removes. The supervisor reports READY once every worker listens, restarts a
 worker that dies, and on SIGTERM has all of them drain.
@@ -17,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +28,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.daemon import CLOSE_GRACE_S
+from dpu_frontend.errors import StartupError
 from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
 from dpu_frontend.sdnotify import Notifier
 
@@ -60,21 +64,38 @@ class Worker:
         return await self.proc.wait()
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (never listen on) ``host:port`` with SO_REUSEPORT: the workers bind beside
+    it, and the kernel hands connections only to listening sockets."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot bind {host}:{port}: {exc}") from exc
+    return sock
+
+
 async def supervise(config: ServeConfig, argv: list[str]) -> int:
     """Run ``config.workers`` copies of ``argv`` (a ``serve`` command line) until SIGTERM."""
     metrics_dir = Path(tempfile.mkdtemp(prefix="dpu-frontend-metrics-"))
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
     env |= {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}  # read by prometheus-client on import
-    base = [sys.executable, "-m", "dpu_frontend.cli", *argv, "--metrics-dir", str(metrics_dir)]
+    reserved = reserve_port(config.host, config.port)
+    port = reserved.getsockname()[1]
+    # The last --port wins: the workers all take the one reserved here.
+    base = [sys.executable, "-m", "dpu_frontend.cli", *argv, "--metrics-dir", str(metrics_dir),
+            "--port", str(port)]
     workers = [Worker(i, base, env) for i in range(config.workers)]
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
     ready_timeout = config.connect_timeout_s * 2 + 60
     try:
         await asyncio.gather(*(w.start(ready_timeout) for w in workers))
-        announce_ready(DAEMON_READY, f"http://{config.host}:{config.port}")
-        notifier.ready(f"{config.workers} workers serving {config.model_name} "
-                       f"on port {config.port}")
+        announce_ready(DAEMON_READY, f"http://{config.host}:{port}")
+        notifier.ready(f"{config.workers} workers serving {config.model_name} on port {port}")
         watchdog = asyncio.create_task(notifier.watchdog())
         try:
             await _keep_alive(workers, stop, metrics_dir, ready_timeout)
@@ -85,6 +106,7 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
         return 0
     finally:
         await _stop_all(workers, 5)
+        reserved.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
 """Several GPU peers behind one daemon: one link each, requests to the least loaded.
 
 Load is a link's outstanding tokens (prompt + max_tokens of its open
-requests). Peers that are down are skipped; when none is up, or the daemon
+requests); equal loads go to each peer in turn, so that requests that never
+overlap still spread. Peers that are down are skipped; when none is up, or the daemon
 is draining, requests get 503 at once. A full queue on one peer sends the
 request to the next; all full is a 429.
 """
@@ -9,6 +10,7 @@ request to the next; all full is a 429.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -35,6 +37,7 @@ class PeerPool:
         self.metrics = metrics
         self.links = [PeerLink(config, address, metrics, connect) for address in config.peers]
         self.draining = False
+        self._turn = itertools.count()  # who wins a tie in load: each link in turn
 
     def update_gauges(self) -> None:
         """Refresh the state gauges (at each scrape, and every second)."""
@@ -78,15 +81,16 @@ class PeerPool:
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> RingRequest:
         if self.draining:
             raise Unavailable("the daemon is draining: it takes no new requests")
-        candidates = sorted((link for link in self.links if link.up),
-                            key=lambda link: link.outstanding)
+        turn, n = next(self._turn), len(self.links)
+        candidates = sorted((i for i, link in enumerate(self.links) if link.up),
+                            key=lambda i: (self.links[i].outstanding, (i - turn) % n))
         if not candidates:
             reasons = "; ".join(f"{link.address}: {link.error}" for link in self.links)
             raise Unavailable(f"no GPU peer is up ({reasons})")
         overloaded: list[Overloaded] = []
-        for link in candidates:
+        for i in candidates:
             try:
-                return link.submit(prompt, params)
+                return self.links[i].submit(prompt, params)
             except Overloaded as exc:
                 overloaded.append(exc)
         raise overloaded[-1]

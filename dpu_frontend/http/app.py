@@ -57,8 +57,9 @@ def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Appli
         return web.Response(body=metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/v1/completions", CompletionsHandler(service, model_name))
-    app.router.add_post("/v1/chat/completions", ChatCompletionsHandler(service, model_name))
+    app.router.add_post("/v1/completions", CompletionsHandler(service, model_name).handle)
+    app.router.add_post("/v1/chat/completions",
+                        ChatCompletionsHandler(service, model_name).handle)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", models)

@@ -22,10 +22,10 @@ from dpu_frontend.metrics import Metrics
 log = logging.getLogger("dpu_frontend.http")
 
 #: Where a handler leaves the finish reason of its request, for the counter.
-FINISH_REASON = "dpu_frontend.finish_reason"
-REQUEST_ID = "dpu_frontend.request_id"
+FINISH_REASON = web.RequestKey("finish_reason", str)
+REQUEST_ID = web.RequestKey("request_id", str)
 #: Set by a handler whose client went away mid-answer: counted as 499.
-CLIENT_GONE = "dpu_frontend.client_gone"
+CLIENT_GONE = web.RequestKey("client_gone", bool)
 #: nginx's status for "the client closed the request".
 CLIENT_CLOSED = 499
 

@@ -103,7 +103,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
 
     # -- the shared path ------------------------------------------------------
 
-    async def __call__(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         req = parse(self.model_type, await request.read())
         check_model(req.model, self.model_name)

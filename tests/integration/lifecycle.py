@@ -78,10 +78,8 @@ async def check_disconnect_cancels_on_the_gpu(stack: Stack) -> None:
 
     await eventually(cancelled, "the peer never received the cancel record")
     stats = await channel_stats(address)
-    assert active[0] in stats["cancelled_ids"]
-    tokens = stats["tokens"]
-    await asyncio.sleep(0.3)
-    assert (await channel_stats(address))["tokens"] == tokens, "generation went on"
+    # Not active on the peer any more: its engine generates nothing further for it.
+    assert active[0] in stats["cancelled_ids"] and active[0] not in stats["active"]
 
     # Slots and arena come back: more requests than the ring has slots all complete.
     slots = stats["request_slots"]
@@ -133,7 +131,8 @@ async def check_fault_and_reconnect(stack: Stack, streams: int = 6) -> None:
 
 
 async def check_two_peers(stack: Stack, requests: int = 12) -> None:
-    """Requests spread over both peers; with one killed, the other serves alone."""
+    """Requests spread over both peers, even one after another (equal loads take turns);
+    with one killed, the other serves alone."""
     body = {"model": MODEL, "prompt": "spread", "max_tokens": 20, "stream": True}
     async with aiohttp.ClientSession() as http:
         async def one(i: int) -> str:
@@ -141,9 +140,9 @@ async def check_two_peers(stack: Stack, requests: int = 12) -> None:
                                  json=body | {"prompt": f"spread {i}"}) as r:
                 return outcome(await read_events(r)) if r.status == 200 else str(r.status)
 
-        assert await asyncio.gather(*(one(i) for i in range(requests))) == ["finished"] * requests
+        assert [await one(i) for i in range(requests)] == ["finished"] * requests
         admitted = [(await channel_stats(stack.peer_address(i)))["admitted"] for i in (0, 1)]
-        assert all(a > 0 for a in admitted) and sum(admitted) == requests, admitted
+        assert admitted == [requests // 2, requests - requests // 2], admitted
         stack.peers[0].kill()
 
         async def one_down() -> bool:
@@ -154,36 +153,6 @@ async def check_two_peers(stack: Stack, requests: int = 12) -> None:
         assert await asyncio.gather(*(one(i) for i in range(requests))) == ["finished"] * requests
         survivor = (await channel_stats(stack.peer_address(1)))["admitted"]
         assert survivor == admitted[1] + requests
-
-
-async def check_overload(stack: Stack, requests: int = 16) -> None:
-    """A tiny queue: the excess gets 429 with Retry-After, the accepted all complete;
-    with no peer, 503 with Retry-After."""
-    body = {"model": MODEL, "prompt": "load", "max_tokens": 10, "ignore_eos": True,
-            "stream": True}
-    async with aiohttp.ClientSession() as http:
-        async def one(i: int) -> tuple[int, str, str | None]:
-            async with http.post(f"{stack.base_url}/v1/completions",
-                                 json=body | {"prompt": f"load {i}"}) as r:
-                if r.status != 200:
-                    return r.status, (await r.json())["error"]["type"], r.headers.get("Retry-After")
-                return 200, outcome(await read_events(r)), None
-
-        results = await asyncio.gather(*(one(i) for i in range(requests)))
-        accepted = [r for r in results if r[0] == 200]
-        refused = [r for r in results if r[0] != 200]
-        assert accepted and refused, results
-        assert all(r[1] == "finished" for r in accepted), results
-        assert all(r == (429, "rate_limit_error", "1") for r in refused), results
-        stack.peers[0].kill()
-        await asyncio.sleep(0.1)
-
-        async def refused_503() -> bool:
-            async with http.post(f"{stack.base_url}/v1/completions",
-                                 json=body | {"stream": False}) as r:
-                return r.status == 503 and r.headers.get("Retry-After") == "1"
-
-        await eventually(refused_503, "no 503 with Retry-After while the peer is down")
 
 
 async def check_drain(stack: Stack, streams: int = 3) -> None:
@@ -207,16 +176,4 @@ async def check_drain(stack: Stack, streams: int = 3) -> None:
         await eventually(not_ready, "/health still ready while draining")
         results = await asyncio.gather(*(read_events(r) for r in responses))
     assert [outcome(events) for events in results] == ["finished"] * streams
-    assert stack.daemon.wait(timeout=60) == 0
-
-
-async def check_drain_timeout_ends_streams(stack: Stack) -> None:
-    """SIGTERM with streams longer than the drain timeout: they end with an error event."""
-    async with aiohttp.ClientSession() as http:
-        resp = await http.post(f"{stack.base_url}/v1/completions", json=LONG)
-        assert (await resp.content.readline()).startswith(b"data: {")
-        stack.daemon.send_signal(signal.SIGTERM)
-        events = await read_events(resp)
-    assert outcome(events) == "error"
-    assert "shutting down" in json.loads(events[-2])["error"]["message"]
     assert stack.daemon.wait(timeout=60) == 0

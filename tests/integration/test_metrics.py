@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import socket
@@ -64,10 +65,14 @@ def value(text: str, pattern: str) -> float:
 async def test_promtool_accepts_a_live_scrape(stack: Stack) -> None:
     await traffic(stack)
 
-    async def disconnect_counted() -> bool:
-        return "dpu_frontend_disconnected_clients_total 1.0" in await scrape(stack)
+    async def settled() -> bool:
+        # The handler counts the disconnect at once; its request stays running until
+        # the peer's final (cancelled) record arrives.
+        text = await scrape(stack)
+        return ("dpu_frontend_disconnected_clients_total 1.0" in text
+                and "dpu_frontend_num_requests_running 0.0" in text)
 
-    await eventually(disconnect_counted, "the disconnected client was never counted")
+    await eventually(settled, "the disconnected client was never counted, or never ended")
     text = await scrape(stack)
     check = await asyncio.create_subprocess_exec(
         PROMTOOL, "check", "metrics", stdin=asyncio.subprocess.PIPE,
@@ -89,10 +94,28 @@ async def test_promtool_accepts_a_live_scrape(stack: Stack) -> None:
     assert value(text, r"dpu_frontend_num_requests_running") == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+async def start_prometheus(config: Path, data: Path) -> tuple[asyncio.subprocess.Process, int]:
+    """Prometheus on a free port. It cannot take port 0 and say which it got, so a port
+    is picked and, should another program take it first, the next one tried."""
+    for _ in range(5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        process = await asyncio.create_subprocess_exec(
+            PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        async with aiohttp.ClientSession() as http:
+            while process.returncode is None:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/-/ready") as r:
+                        if r.status == 200:
+                            return process, port
+                except aiohttp.ClientError:
+                    pass
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), 0.1)  # exited: the port was taken
+    raise AssertionError("Prometheus did not start on any of five free ports")
 
 
 async def test_a_real_prometheus_scrapes_a_ttft_quantile(stack: Stack, tmp_path: Path) -> None:
@@ -105,11 +128,7 @@ scrape_configs:
     static_configs:
       - targets: ["{target}"]
 """)
-    port = free_port()
-    prometheus = await asyncio.create_subprocess_exec(
-        PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    prometheus, port = await start_prometheus(config, tmp_path / "data")
     query = ("histogram_quantile(0.9, sum by (le) "
              "(rate(dpu_frontend_time_to_first_token_seconds_bucket[1m])))")
     try:

@@ -10,16 +10,16 @@ import aiohttp
 
 from dpu_frontend.control.stats import peer_stats
 from tests.integration.lifecycle import outcome, read_events
-from tests.integration.test_metrics import PROMTOOL, free_port
+from tests.integration.test_metrics import PROMTOOL
 from tests.stack import MODEL, running_stack
 
 REQUESTS = 24
 
 
 async def test_two_workers_share_the_port_and_aggregate_metrics() -> None:
-    port = free_port()
+    # --port 0: the supervisor reserves a port the kernel picks and hands it to both.
     with running_stack("shm", tokens_per_s=200, timeout=120, peer_args=("--channels", "2"),
-                       serve_args=("--workers", "2", "--port", str(port))) as stack:
+                       serve_args=("--workers", "2")) as stack:
         body = {"model": MODEL, "prompt": "workers", "max_tokens": 6, "stream": True}
 
         async def one(i: int) -> str:
@@ -34,7 +34,7 @@ async def test_two_workers_share_the_port_and_aggregate_metrics() -> None:
         assert sum(c["admitted"] for c in channels) == REQUESTS
         assert all(c["admitted"] > 0 for c in channels), channels
 
-        await asyncio.sleep(1.5)  # both workers refresh their gauges every second
+        # Each worker set its gauges before its ready line: no wait for a refresh.
         async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/metrics") as r:
             text = await r.text()
         total = re.search(r'^dpu_frontend_requests_total\{endpoint="/v1/completions",'

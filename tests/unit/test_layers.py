@@ -1,15 +1,41 @@
-"""Product code never imports the development harness: only the CLI reaches softroce/."""
+"""The import rule of docs/architecture.md, enforced the way import-linter enforces layers.
+
+Each top-level module or package of ``dpu_frontend`` has a rank; a module may
+import only from a lower rank (or from its own package). The daemon's side
+(``engine``, ``http``, ``daemon``, ...) and the GPU's side (``peer``, ``gpu``)
+never import each other: they meet only in the ring protocol and the control
+messages below them. Only the CLI reaches the development harness
+(``softroce``), and the ring protocol does no I/O.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import dpu_frontend
 
 PACKAGE = Path(dpu_frontend.__file__).parent
-HARNESS = "dpu_frontend.softroce"
-ALLOWED = {"cli.py"}  # the CLI offers `dpu-frontend softroce` and `demo`
+
+#: Lowest first. Same rank: neither may import the other.
+RANKS: dict[str, int] = {
+    "__init__": 0, "errors": 0,
+    "ring": 1,
+    "config": 2, "metrics": 2, "logs": 2, "sdnotify": 2, "lifecycle": 2,
+    "control": 3, "text": 3, "transport": 3, "settings": 3,
+    "engine": 4, "peer": 4,
+    "http": 5, "gpu": 5,
+    "daemon": 6,
+    "check": 7, "workers": 7,
+    "softroce": 8,
+    "cli": 9,
+}
+DAEMON_SIDE = {"engine", "http", "daemon", "check", "workers"}
+GPU_SIDE = {"peer", "gpu"}
+#: Sans-I/O: the ring protocol is handed bytes and the time, never a socket or a QP.
+NO_IO_IN_RING = {"asyncio", "socket", "aiohttp", "pyverbs", "selectors", "subprocess"}
 
 
 def imported(path: Path) -> set[str]:
@@ -17,23 +43,67 @@ def imported(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
     return names
 
 
-def test_no_product_module_imports_the_softroce_harness() -> None:
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE)
-        if relative.parts[0] == "softroce" or str(relative) in ALLOWED:
+def part(module: str) -> str:
+    """``dpu_frontend.engine.link`` -> ``engine``; ``dpu_frontend`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations(source: str, names: set[str]) -> list[str]:
+    found = []
+    for name in sorted(names):
+        if name.split(".")[0] != "dpu_frontend":
+            if source == "ring" and name.split(".")[0] in NO_IO_IN_RING:
+                found.append(f"ring imports {name}: the protocol is sans-I/O")
             continue
-        if any(name == HARNESS or name.startswith(HARNESS + ".") for name in imported(path)):
-            offenders.append(str(relative))
-    assert offenders == []
+        target = part(name)
+        if target == source:
+            continue
+        if target not in RANKS:
+            found.append(f"{source} imports {name}, which has no rank in RANKS")
+        elif RANKS[target] >= RANKS[source]:
+            found.append(f"{source} (rank {RANKS[source]}) imports {name} "
+                         f"(rank {RANKS[target]})")
+        elif {source, target} <= DAEMON_SIDE | GPU_SIDE and (
+                (source in DAEMON_SIDE) != (target in DAEMON_SIDE)):
+            found.append(f"{source} imports {name}: the daemon and the GPU side meet only "
+                         "in the ring protocol and the control messages")
+    return found
 
 
-def test_the_rule_sees_an_offender(tmp_path: Path) -> None:
+def modules() -> list[tuple[str, Path]]:
+    return [(path.relative_to(PACKAGE).parts[0].removesuffix(".py"), path)
+            for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_every_part_of_the_package_has_a_rank() -> None:
+    assert {source for source, _ in modules()} <= set(RANKS)
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    found = [f"{path.relative_to(PACKAGE)}: {v}" for source, path in modules()
+             for v in violations(source, imported(path))]
+    assert found == []
+
+
+@pytest.mark.parametrize(("source", "name"), [
+    ("engine", "dpu_frontend.http.errors"),  # upwards
+    ("text", "dpu_frontend.transport.base"),  # sideways, same rank
+    ("daemon", "dpu_frontend.softroce.harness"),  # the dev harness
+    ("http", "dpu_frontend.gpu.runtime"),  # across to the GPU side
+    ("gpu", "dpu_frontend.engine.link"),  # and back
+    ("ring", "asyncio"),  # I/O in the protocol
+])
+def test_the_rule_sees_an_offender(source: str, name: str) -> None:
+    assert violations(source, {name}) != []
+
+
+def test_an_import_inside_a_function_is_seen(tmp_path: Path) -> None:
     module = tmp_path / "bad.py"
-    module.write_text("from dpu_frontend.softroce.harness import RXE_IP\n")
-    assert HARNESS + ".harness" in imported(module)
+    module.write_text("def f() -> None:\n    from dpu_frontend.softroce.harness import RXE_IP\n")
+    assert violations("daemon", imported(module)) != []

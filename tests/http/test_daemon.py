@@ -1,0 +1,93 @@
+"""The whole daemon in one process over a loopback peer: start, drain, stop in order.
+
+A real listening socket and the real ``Daemon``; only the GPU side is in
+memory, so the test decides when each stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dpu_frontend.daemon import Daemon
+from dpu_frontend.ring import FinishReason
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.engine.conftest import serve_config
+from tests.engine.loopback import LoopbackPeer
+from tests.http.conftest import MODEL, events, next_event
+
+LONG = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1000, "stream": True}
+
+@pytest.fixture
+async def peer() -> LoopbackPeer:
+    return LoopbackPeer()
+
+
+@pytest.fixture
+async def daemons(peer: LoopbackPeer) -> AsyncIterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for daemon in started:
+        await daemon.stop()
+
+
+async def start(daemons: list[Daemon], peer: LoopbackPeer, **overrides: Any) -> Daemon:
+    daemon = Daemon(serve_config(port=0, tokenizer_threads=1, **overrides), peer.connect)
+    daemons.append(daemon)
+    await daemon.start()
+    return daemon
+
+
+def aborted(daemon: Daemon, reason: str) -> float:
+    return daemon.metrics.registry.get_sample_value(
+        "dpu_frontend_aborted_requests_total", {"reason": reason}) or 0.0
+
+
+async def test_a_drain_refuses_new_work_and_lets_open_streams_finish(
+        daemons: list[Daemon], peer: LoopbackPeer, vocab: Vocabulary) -> None:
+    daemon = await start(daemons, peer)
+    url = f"http://127.0.0.1:{daemon.port}"
+    # A load balancer's probe: one keep-alive connection, opened before the drain
+    # (the daemon stops accepting connections at once).
+    probe = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+    async with probe, aiohttp.ClientSession() as http:
+        async with probe.get(f"{url}/health") as health:
+            assert health.status == 200
+        resp = await http.post(f"{url}/v1/completions", json=LONG)
+        (arrival,) = await peer.gpu.wait_for(1)
+        request_id = arrival.record.request_id
+        peer.gpu.emit(request_id, tuple(vocab.encode(" Once", add_special_tokens=False)))
+        assert "error" not in await next_event(resp)
+
+        drain = asyncio.create_task(daemon.drain())
+        await asyncio.sleep(0)  # the drain's first step: not ready, no new requests
+        async with probe.get(f"{url}/health") as health:
+            assert health.status == 503
+            assert "draining" in (await health.json())["error"]["message"]
+        async with probe.post(f"{url}/v1/completions", json=LONG) as refused:
+            assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+        assert not drain.done()
+
+        peer.gpu.finish(request_id, tuple(vocab.encode(" upon", add_special_tokens=False)))
+        rest = await events(resp)
+        assert rest[-1]["choices"][0]["finish_reason"] == "stop"
+        await drain
+    assert aborted(daemon, "drain_timeout") == 0 and peer.gpu.cancels == []
+
+
+async def test_a_drain_that_times_out_ends_the_streams_with_an_error(
+        daemons: list[Daemon], peer: LoopbackPeer) -> None:
+    daemon = await start(daemons, peer, drain_timeout_s=0.01)
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"http://127.0.0.1:{daemon.port}/v1/completions", json=LONG)
+        (arrival,) = await peer.gpu.wait_for(1)
+        await daemon.drain()  # the GPU never finishes it
+        rest = await events(resp)
+    assert "drain timeout" in rest[-1]["error"]["message"]
+    assert aborted(daemon, "drain_timeout") == 1
+    await peer.gpu.wait_for(1, cancels=1)  # its generation is stopped on the GPU too
+    peer.gpu.finish(arrival.record.request_id, finish=FinishReason.CANCELLED)
