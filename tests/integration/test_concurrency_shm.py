@@ -9,24 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import aiohttp
-import pytest
 
 from tests.integration.lifecycle import channel_stats, eventually, outcome, read_events
 from tests.integration.scenarios import load_vocab, peer_generation
-from tests.stack import MODEL, Stack, running_stack
+from tests.stack import MODEL, Stack
 
 STREAMS = 1000
 PROMPT = "Many at once."
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    # A small per-stream buffer, so that the stalled client below is cut off soon.
-    with running_stack("shm", timeout=60, serve_args=("--stream-buffer-records", "64")) as s:
-        yield s
+# A small per-request buffer, so that the stalled client below is cut off soon.
+STACK = {"serve_args": ("--stream-buffer-records", "64")}
 
 
 async def stalled_client(stack: Stack) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -41,7 +36,8 @@ async def stalled_client(stack: Stack) -> tuple[asyncio.StreamReader, asyncio.St
     return reader, writer
 
 
-async def test_a_thousand_streams_and_a_stalled_client(stack: Stack) -> None:
+async def test_a_thousand_streams_and_a_stalled_client(own_stack: Stack) -> None:
+    stack = own_stack
     vocab = load_vocab()
     ids, finish = peer_generation(vocab, PROMPT, 24)
     expected = vocab.decode(ids)

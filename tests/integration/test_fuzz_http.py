@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.stack import MODEL, Stack, running_stack
+from tests.stack import MODEL, Stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
@@ -31,11 +29,6 @@ messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
      "content": st.text(max_size=30) | st.none()}), max_size=4)
 
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with running_stack("shm", timeout=60) as s:
-        yield s
 
 
 async def send(stack: Stack, path: str, body: Any) -> int:

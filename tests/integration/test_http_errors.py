@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from tests.stack import MODEL, Stack, running_stack
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with running_stack("shm", timeout=60) as s:
-        yield s
+from tests.stack import MODEL, Stack
 
 
 async def post(stack: Stack, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:

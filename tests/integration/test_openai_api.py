@@ -20,15 +20,10 @@ from tests.integration.scenarios import (
     peer_generation,
     replay_generation,
 )
-from tests.stack import MODEL, Stack, running_stack
+from tests.stack import MODEL, Stack
 
 PROMPT = "Tell me about streaming text."
 
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with running_stack("shm", timeout=60) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
