@@ -33,7 +33,7 @@ from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
 
-log = logging.getLogger("dpu_frontend.http")
+log = logging.getLogger("dpu_frontend.daemon")
 
 #: After the drain, what aiohttp still gives handlers to write their last event.
 CLOSE_GRACE_S = 5.0

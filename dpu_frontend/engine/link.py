@@ -47,7 +47,7 @@ from dpu_frontend.errors import (
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import DpuChannel, ResponseRecord, SamplingParams
 
-log = logging.getLogger("dpu_frontend.engine.link")
+log = logging.getLogger("dpu_frontend.engine")
 
 MAX_COST = 1 << 20  # a request's max_tokens counts at most this much towards its peer's load
 

@@ -33,7 +33,7 @@ from dpu_frontend.ring.layout import (
 from dpu_frontend.transport.base import Transport
 from dpu_frontend.transport.factory import open_transport
 
-log = logging.getLogger("dpu_frontend.engine.session")
+log = logging.getLogger("dpu_frontend.engine")
 
 
 class Session(Protocol):

@@ -16,13 +16,10 @@ from dpu_frontend.http.errors import add_request_id, boundary, error_body
 from dpu_frontend.http.tokenize import TokenizeHandlers
 from dpu_frontend.metrics import Metrics
 
-SERVICE_KEY = web.AppKey("service", Service)
-
 
 def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Application:
     app = web.Application(middlewares=[boundary(metrics)], client_max_size=64 << 20)
     app.on_response_prepare.append(add_request_id)
-    app[SERVICE_KEY] = service
     created = int(time.time())
     spec = openapi.build(model_name)
     tokenize = TokenizeHandlers(service, model_name)

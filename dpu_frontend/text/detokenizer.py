@@ -1,7 +1,7 @@
 """Incremental detokenization with ``tokenizers.decoders.DecodeStream``.
 
 ``DecodeStream`` turns one token at a time into text, holding back bytes
-until they form whole characters. Two gaps are covered here:
+until they form whole characters. Three gaps are covered here:
 
 * it has no flush: at the end, the held-back tail is computed from a full
   decode of every id (``finish``), so that the concatenated output equals
