@@ -35,7 +35,7 @@ from dpu_frontend.gpu.runtime import (
     build,
     default_build_dir,
 )
-from dpu_frontend.peer.engine import corpus_stream
+from dpu_frontend.peer.generator import corpus_tokens
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.peer.server import PeerServer, TokenSource, serve_peer
 from dpu_frontend.ring import Geometry, Layout
@@ -144,8 +144,8 @@ class CudaKernel(PeerKernel):
             region_host = ctypes.addressof(anchor)
         else:
             registration.check_device(info)  # refuse before allocating anything
-        stream, starts = corpus_stream(self._corpus, self._eos)
-        params = self._params(layout, region_host, stream, starts)
+        tokens, starts = corpus_tokens(self._corpus, self._eos)
+        params = self._params(layout, region_host, tokens, starts)
         handle = lib.lib.dpuf_peer_create(ctypes.byref(params))
         if not handle:
             raise StartupError(f"cannot create the CUDA peer: {lib.error()}")
@@ -162,13 +162,13 @@ class CudaKernel(PeerKernel):
             return RegionAddress(path=str(peer_cfg.shm_path))
         return RegionAddress()
 
-    def _params(self, layout: Layout, region_host: int | None, stream: list[int],
+    def _params(self, layout: Layout, region_host: int | None, tokens: list[int],
                 starts: list[int]) -> PeerParams:
         cfg, peer_cfg = self.config, self.config.peer
         header = layout.encode()
         descs = ctypes.create_string_buffer(header[HEADER_SIZE:],
                                             CHANNEL_SIZE * len(layout.channels))
-        corpus = (ctypes.c_uint32 * max(1, len(stream)))(*stream)
+        corpus = (ctypes.c_uint32 * max(1, len(tokens)))(*tokens)
         doc_starts = (ctypes.c_uint32 * max(1, len(starts)))(*starts)
         self._keep += [descs, corpus, doc_starts]
         per_record = min(ch.tokens_per_response for ch in layout.channels)
@@ -180,7 +180,7 @@ class CudaKernel(PeerKernel):
             region_host=region_host, region_size=layout.region_size,
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),
             mode=MODE_ECHO if peer_cfg.mode == "echo" else MODE_REPLAY,
-            corpus=corpus, corpus_len=len(stream), doc_starts=doc_starts, doc_count=len(starts),
+            corpus=corpus, corpus_len=len(tokens), doc_starts=doc_starts, doc_count=len(starts),
             tokens_per_step=min(peer_cfg.tokens_per_step or per_record, per_record),
             eos=(ctypes.c_uint32 * 8)(*eos, *([0] * (8 - len(eos)))), eos_count=len(eos),
             engine_blocks=cfg.engine_blocks, step_ns=int(cfg.step_us * 1000),

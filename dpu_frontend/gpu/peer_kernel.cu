@@ -10,7 +10,7 @@
  *     channel on its own clock, so that a long step never looks like a dead
  *     GPU to the DPU.
  * The token source (replay of a corpus, or echo of the prompt) produces the
- * same token streams as dpu_frontend/peer/engine.py, byte for byte.
+ * same token streams as dpu_frontend/peer/generator.py, byte for byte.
  *
  * Build (no -rdc: grid-wide sync of cooperative groups needs none):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC,-Wall -shared \
@@ -260,7 +260,7 @@ __device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpu
 }
 
 /* ======================================================================== */
-/* Token source (equal to dpu_frontend/peer/engine.py, v2 semantics)         */
+/* Token source (equal to dpu_frontend/peer/generator.py, v2 semantics)         */
 /* ======================================================================== */
 
 /* CRC-32 as zlib computes it (reflected polynomial 0xEDB88320, initial and
@@ -278,7 +278,7 @@ __device__ __forceinline__ uint32_t crc32_token(uint32_t crc, uint32_t t) {
     return crc32_byte(crc32_byte(crc32_byte(crc32_byte(crc, t), t >> 8), t >> 16), t >> 24);
 }
 
-/* Replay start (dpu_frontend/peer/engine.py: replay_start): CRC-32 of every
+/* Replay start (dpu_frontend/peer/generator.py: replay_start): CRC-32 of every
  * prompt token (4 bytes LE), the seed (8 bytes LE, 0 without HAS_SEED) and one
  * byte HAS_SEED; modulo the document count, it picks the document. The prompt
  * is the entry's pool copy (GPU memory, a span of whole 128-byte chunks), read

@@ -1,4 +1,4 @@
-"""What serves the rings behind a peer's control plane: the reference engine loop or the
+"""What serves the rings behind a peer's control plane: the reference token generator or the
 CUDA kernel.
 
 A ``PeerKernel`` owns the region (the memory the daemon READs and WRITEs) and
@@ -57,7 +57,7 @@ class PeerKernel(abc.ABC):
 
     @abc.abstractmethod
     def channel_stats(self, channel: int) -> dict[str, Any]:
-        """Counters beyond the mailbox's (the reference engine's request ids, ...)."""
+        """Counters beyond the mailbox's (the reference generator's request ids, ...)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

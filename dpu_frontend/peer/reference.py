@@ -1,4 +1,4 @@
-"""The reference kernel: the GPU half of every channel as a Python engine loop.
+"""The reference kernel: the GPU half of every channel as a Python loop of token generators.
 
 It behaves as the CUDA kernel does, step by step: between two steps it runs
 mailbox commands (ATTACH resets a channel to a new epoch, DETACH drops its
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpu_frontend.config import PeerConfig
-from dpu_frontend.peer.engine import Engine
+from dpu_frontend.peer.generator import TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
 from dpu_frontend.ring.mailbox import (
@@ -42,7 +42,7 @@ log = logging.getLogger("dpu_frontend.peer")
 class _Channel:
     index: int
     ring: GpuChannel
-    engine: Engine
+    generator: TokenGenerator
     mailbox: KernelMailbox
     attached: bool = False
     outbox: list[ResponseRecord] = field(default_factory=list)  # generated, not yet published
@@ -73,10 +73,10 @@ class ReferenceKernel(PeerKernel):
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
         for i, ch in enumerate(layout.channels):
             per_step = min(cfg.tokens_per_step or ch.tokens_per_response, ch.tokens_per_response)
-            engine = Engine(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
+            generator = TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
                             tokens_per_s=cfg.tokens_per_s, tokens_per_step=per_step)
             self._channels.append(
-                _Channel(i, GpuChannel(region, ch), engine, KernelMailbox(self._mailbox, i)))
+                _Channel(i, GpuChannel(region, ch), generator, KernelMailbox(self._mailbox, i)))
         if cfg.transport == "shm":
             return RegionAddress(path=str(cfg.shm_path))
         return RegionAddress(host_address=region.address)
@@ -122,12 +122,12 @@ class ReferenceKernel(PeerKernel):
             if epoch <= channel.ring.epoch:
                 error = MailboxError.BAD_EPOCH
             else:
-                channel.engine.drop_all()
+                channel.generator.drop_all()
                 channel.outbox = []
                 channel.ring.reset(epoch)
                 channel.attached = True
         elif what == Command.DETACH:
-            channel.engine.drop_all()
+            channel.generator.drop_all()
             channel.outbox = []
             channel.attached = False
         else:
@@ -136,28 +136,28 @@ class ReferenceKernel(PeerKernel):
         channel.mailbox.ack(seq, state, error)
 
     def _step(self, channel: _Channel, now: float) -> None:
-        ring, engine = channel.ring, channel.engine
+        ring, generator = channel.ring, channel.generator
         outbox = channel.outbox
         for record, prompt in ring.poll_requests():
             if isinstance(record, CancelRecord):
-                final = engine.cancel(record.request_id)
+                final = generator.cancel(record.request_id)
                 if final is not None:
                     # As the kernel does: what the target generated and could not publish
                     # yet is discarded; its final record carries no token.
                     outbox[:] = [r for r in outbox if r.request_id != record.request_id]
                     outbox.append(final)
-            elif engine.has(record.request_id) or engine.active >= ring.layout.max_sequences:
+            elif generator.has(record.request_id) or generator.active >= ring.layout.max_sequences:
                 ring.refuse()  # a duplicate id, or a DPU that broke its sequence window
             else:
-                engine.admit(record, prompt, now)
+                generator.admit(record, prompt, now)
         # Generate only what the response ring can take soon: the outbox is bounded.
         budget = max(0, ring.layout.resp_slots - len(outbox))
-        outbox += engine.step(now, budget)
+        outbox += generator.step(now, budget)
         del outbox[:ring.publish(outbox)]
 
     @staticmethod
     def _counters(channel: _Channel) -> dict[str, int]:
-        ring, stats = channel.ring.counters, channel.engine.stats
+        ring, stats = channel.ring.counters, channel.generator.stats
         return {"records": ring.records, "admitted": stats.admitted,
                 "completed": stats.completed, "cancelled": stats.cancelled,
                 "bad_records": ring.bad_records, "tokens": stats.tokens,
@@ -165,7 +165,7 @@ class ReferenceKernel(PeerKernel):
 
     def channel_stats(self, channel: int) -> dict[str, Any]:
         c = self._channels[channel]
-        return {"active": c.engine.active_ids, "cancelled_ids": c.engine.stats.cancelled_ids[-64:],
+        return {"active": c.generator.active_ids, "cancelled_ids": c.generator.stats.cancelled_ids[-64:],
                 "request_records": c.ring.consumed}
 
     async def close(self) -> None:

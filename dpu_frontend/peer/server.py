@@ -3,7 +3,7 @@
 The peer registers its region once (an anonymous mapping or GPU memory under
 verbs, a shared-memory file under shm), publishes the layout record at
 offset 0, and hands out one channel per daemon worker. It never touches a
-ring itself: a ``PeerKernel`` (the reference engine loop, or the CUDA
+ring itself: a ``PeerKernel`` (the reference token generator, or the CUDA
 kernel) serves them, and the control plane attaches and detaches channels
 through the kernel's mailbox (``ring/mailbox.py``), the way a launcher drives
 a persistent GPU kernel:
@@ -30,7 +30,7 @@ from dpu_frontend.config import PeerConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import DpuFrontendError, LayoutMismatch, PeerError
 from dpu_frontend.lifecycle import PEER_READY, announce_ready, stop_on_signals
-from dpu_frontend.peer.engine import default_corpus
+from dpu_frontend.peer.generator import default_corpus
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.peer.reference import ReferenceKernel
 from dpu_frontend.ring import Layout

@@ -10,7 +10,7 @@ import time
 import aiohttp
 from openai import AsyncOpenAI, OpenAI
 
-from dpu_frontend.peer.engine import Engine, default_corpus
+from dpu_frontend.peer.generator import TokenGenerator, default_corpus
 from dpu_frontend.ring import FinishReason, GenerateRecord, SamplingParams
 from dpu_frontend.ring.layout import Geometry
 from dpu_frontend.text.assets import default_tokenizer_dir
@@ -123,7 +123,7 @@ def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
                       seed: int | None = None) -> tuple[list[int], str]:
     """The ids the reference peer generates for these prompt ids (its engine is deterministic)."""
     per_record = Geometry().plan(1).channels[0].tokens_per_response
-    engine = Engine(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
+    engine = TokenGenerator(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
                     eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=per_record)
     engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens, seed=seed)),
                  tuple(prompt_ids), time.monotonic())

@@ -35,17 +35,17 @@ def replay_start(prompt: Sequence[int], seed: int | None, documents: int) -> int
     return zlib.crc32(data) % documents
 
 
-def corpus_stream(corpus_ids: Sequence[Sequence[int]],
+def corpus_tokens(corpus_ids: Sequence[Sequence[int]],
                   eos_token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The documents joined, each followed by the first EOS id: the stream a replay
+    """The documents joined, each followed by the first EOS id: the tokens a replay
     walks through cyclically; and the index where each document starts."""
     eos = list(eos_token_ids[:1])
-    stream: list[int] = []
+    tokens: list[int] = []
     starts: list[int] = []
     for doc in corpus_ids:
-        starts.append(len(stream))
-        stream += list(doc) + eos
-    return stream, starts
+        starts.append(len(tokens))
+        tokens += list(doc) + eos
+    return tokens, starts
 
 
 def default_corpus() -> list[str]:
@@ -62,7 +62,7 @@ class _Sequence:
 
 
 @dataclass(slots=True)
-class EngineStats:
+class GeneratorStats:
     admitted: int = 0
     completed: int = 0
     cancelled: int = 0
@@ -70,7 +70,7 @@ class EngineStats:
     cancelled_ids: list[int] = field(default_factory=list)
 
 
-class Engine:
+class TokenGenerator:
     def __init__(self, *, mode: str, corpus_ids: Sequence[Sequence[int]], eos_token_ids:
                  Sequence[int], tokens_per_s: float, tokens_per_step: int) -> None:
         if mode not in ("replay", "echo"):
@@ -83,12 +83,12 @@ class Engine:
             raise ValueError("tokens_per_step must be >= 1")
         self.mode = mode
         self._eos = frozenset(eos_token_ids)
-        self._stream, self._starts = corpus_stream(corpus_ids, eos_token_ids)
+        self._corpus, self._starts = corpus_tokens(corpus_ids, eos_token_ids)
         self.tokens_per_s = tokens_per_s
         self.per_step = tokens_per_step
         self._active: dict[int, _Sequence] = {}
         self._turn = 0
-        self.stats = EngineStats()
+        self.stats = GeneratorStats()
 
     @property
     def active(self) -> int:
@@ -111,13 +111,13 @@ class Engine:
             return iter(prompt)
         # The seed picks the document too, so that n > 1 choices with seeds differ.
         start = self._starts[replay_start(prompt, seed, len(self._starts))]
-        stream = self._stream
+        tokens = self._corpus
 
         def walk() -> Iterator[int]:
             i = start
             while True:
-                yield stream[i]
-                i = (i + 1) % len(stream)
+                yield tokens[i]
+                i = (i + 1) % len(tokens)
 
         return walk()
 

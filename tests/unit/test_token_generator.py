@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from dpu_frontend.peer.engine import Engine
+from dpu_frontend.peer.generator import TokenGenerator
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
 
 EOS = 99
 
 
-def engine(mode: str = "replay", rate: float = 0.0, per_step: int = 4) -> Engine:
-    return Engine(mode=mode, corpus_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], eos_token_ids=[EOS],
+def engine(mode: str = "replay", rate: float = 0.0, per_step: int = 4) -> TokenGenerator:
+    return TokenGenerator(mode=mode, corpus_ids=[[1, 2, 3, 4, 5], [6, 7, 8]], eos_token_ids=[EOS],
                   tokens_per_s=rate, tokens_per_step=per_step)
 
 
-def run(e: Engine, now: float = 0.0, steps: int = 50) -> list[ResponseRecord]:
+def run(e: TokenGenerator, now: float = 0.0, steps: int = 50) -> list[ResponseRecord]:
     out: list[ResponseRecord] = []
     for i in range(steps):
         out += e.step(now + i, 100)
@@ -24,7 +24,7 @@ def tokens(records: list[ResponseRecord]) -> list[int]:
     return [t for r in records for t in r.tokens]
 
 
-def admit(e: Engine, rid: int, prompt: tuple[int, ...], max_tokens: int,
+def admit(e: TokenGenerator, rid: int, prompt: tuple[int, ...], max_tokens: int,
           stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False) -> None:
     params = SamplingParams(max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
     e.admit(GenerateRecord(rid, 0, len(prompt), params), prompt, 0.0)
@@ -118,7 +118,7 @@ def test_replay_start_is_crc32_of_prompt_seed_and_flag() -> None:
     import struct
     import zlib
 
-    from dpu_frontend.peer.engine import replay_start
+    from dpu_frontend.peer.generator import replay_start
 
     prompt = [1, 2, 300000]
     data = struct.pack("<3I", *prompt) + struct.pack("<Q", 7) + b"\x01"
