@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 from openai import AsyncOpenAI, OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from dpu_frontend.peer.generator import TokenGenerator, default_corpus
 from dpu_frontend.ring import FinishReason, GenerateRecord, SamplingParams
@@ -107,15 +108,16 @@ async def check_peer_killed_mid_stream(stack: Stack) -> None:
             assert (await answer.json())["error"]["type"] == "service_unavailable"
 
 
-CHAT = [{"role": "system", "content": "You answer briefly."},
-        {"role": "user", "content": "What is a request ring? 🚀"}]
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is a request ring? 🚀"}]
 
 
 def chat_prompt_ids(vocab: Vocabulary) -> list[int]:
     """The prompt the daemon must send for CHAT: the template rendered, tokenized as HF does."""
     template = load_chat_template(vocab, None)
     assert template is not None
-    return vocab.encode(template.render(CHAT, add_generation_prompt=True),
+    return vocab.encode(template.render([dict(m) for m in CHAT], add_generation_prompt=True),
                         add_special_tokens=False)
 
 
@@ -144,10 +146,10 @@ async def check_chat_stream_sdk(stack: Stack) -> None:
     client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=40, stream=True,  # type: ignore[arg-type]
+            model=MODEL, messages=CHAT, max_tokens=40, stream=True,
             stream_options={"include_usage": True})
         chunks = [chunk async for chunk in stream]
-        full = await client.chat.completions.create(model=MODEL, messages=CHAT,  # type: ignore[arg-type]
+        full = await client.chat.completions.create(model=MODEL, messages=CHAT,
                                                     max_tokens=40)
     finally:
         await client.close()

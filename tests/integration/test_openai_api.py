@@ -44,13 +44,13 @@ async def test_chat_stream_async_sdk(stack: Stack) -> None:
 
 def test_chat_sync_sdk_stream_and_not(client: OpenAI, vocab: Vocabulary) -> None:
     ids, finish = replay_generation(vocab, chat_prompt_ids(vocab), 30)
-    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=30)  # type: ignore[arg-type]
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=30)
     assert full.object == "chat.completion"
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content == vocab.decode(ids)
     assert full.choices[0].finish_reason == finish
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_completion_tokens=30, stream=True))  # type: ignore[arg-type]
+        model=MODEL, messages=CHAT, max_completion_tokens=30, stream=True))
     assert text == vocab.decode(ids)
 
 
@@ -198,6 +198,6 @@ async def test_chat_client_errors(stack: Stack, body: dict[str, Any], status: in
 
 def test_sdk_raises_typed_errors_for_chat(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=CHAT)  # type: ignore[arg-type]
+        client.chat.completions.create(model="nope", messages=CHAT)

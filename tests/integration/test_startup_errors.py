@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,12 +44,12 @@ def region(tmp_path: Path, data: bytes) -> str:
     (lambda b: b.__setitem__(slice(0, 8), b"GARBAGE!"), "bad magic"),
     (lambda b: b.__setitem__(slice(8, 10), (3).to_bytes(2, "little")), "protocol v3"),
 ])
-async def test_bad_layout_record_is_a_startup_error(tmp_path: Path, mutate: object,
-                                                    message: str) -> None:
+async def test_bad_layout_record_is_a_startup_error(
+        tmp_path: Path, mutate: Callable[[bytearray], None], message: str) -> None:
     layout = Geometry(req_slots=4, arena_bytes=256, resp_slots=4, max_sequences=2).plan(instance=42)
     data = bytearray(layout.region_size)
     data[:layout.header_size] = layout.encode()
-    mutate(data)  # type: ignore[operator]
+    mutate(data)
     welcome = messages.Welcome(0, 42, layout.region_size, {"path": region(tmp_path, bytes(data))},
                                 epoch=1)
     result = await serve_against(welcome.to_dict())
