@@ -79,7 +79,7 @@ run_tests() {
   local t0=$SECONDS
   log "lint: ruff, mypy"
   "$VENV/bin/ruff" check dpu_frontend tests benchmarks
-  "$VENV/bin/mypy" dpu_frontend benchmarks
+  "$VENV/bin/mypy"  # the files pyproject.toml names: the package, tests, benchmarks
   log "native tests (everything that needs neither RDMA nor a GPU; docs/gpu.md runs those)"
   local native_rc=0
   "$VENV/bin/python" -m pytest -m "not rdma and not gpu" --junitxml="$BUILD/native-junit.xml" "$@" \

@@ -41,7 +41,7 @@ async def test_a_thousand_streams_and_a_stalled_client(own_stack: Stack) -> None
     vocab = load_vocab()
     ids, finish = peer_generation(vocab, PROMPT, 24)
     expected = vocab.decode(ids)
-    before = await channel_stats(stack.peer_address())
+    before: int = (await channel_stats(stack.peer_address()))["cancelled"]
     _, stalled = await stalled_client(stack)
 
     async def one(http: aiohttp.ClientSession) -> tuple[str, str]:
@@ -61,7 +61,8 @@ async def test_a_thousand_streams_and_a_stalled_client(own_stack: Stack) -> None
     # The stalled client did not hold anyone up, and it is not buffered without
     # bound either: a full buffer cut it off and cancelled its generation.
     async def cut_off() -> bool:
-        return (await channel_stats(stack.peer_address()))["cancelled"] > before["cancelled"]
+        cancelled: int = (await channel_stats(stack.peer_address()))["cancelled"]
+        return cancelled > before
 
     await eventually(cut_off, "the stalled client's generation was never cancelled")
     stalled.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -27,17 +28,17 @@ def test_peer_address_parse() -> None:
     ({"max_model_len": 0}, "max_model_len"),
     ({"poll_interval_s": 0}, "poll intervals"),
 ])
-def test_serve_config_names_the_bad_field(kwargs: dict[str, object], message: str) -> None:
+def test_serve_config_names_the_bad_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ServeConfig(peers=(PeerAddress("127.0.0.1", 1),), **kwargs)  # type: ignore[arg-type]
+        ServeConfig(peers=(PeerAddress("127.0.0.1", 1),), **kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mode": "dream"}, "mode"), ({"tokens_per_s": -1}, "tokens_per_s"), ({"tick_s": 0}, "tick_s"),
 ])
-def test_peer_config_names_the_bad_field(kwargs: dict[str, object], message: str) -> None:
+def test_peer_config_names_the_bad_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PeerConfig(**kwargs)  # type: ignore[arg-type]
+        PeerConfig(**kwargs)
 
 
 def test_geometry_validation() -> None:

@@ -38,7 +38,9 @@ def test_the_dashboard_only_queries_metrics_the_daemon_exports() -> None:
 
 def test_unit_stop_timeout_exceeds_the_drain() -> None:
     unit = (ROOT / "systemd/dpu-frontend.service").read_text()
-    stop = int(re.search(r"^TimeoutStopSec=(\d+)", unit, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    match = re.search(r"^TimeoutStopSec=(\d+)", unit, re.MULTILINE)
+    assert match is not None, "the unit sets no TimeoutStopSec"
+    stop = int(match.group(1))
     assert stop > SETTINGS["drain_timeout_s"].default + CLOSE_GRACE_S
     assert "LimitMEMLOCK=infinity" in unit and "Type=notify" in unit and "WatchdogSec=" in unit
 

@@ -89,7 +89,10 @@ async def test_an_attach_acknowledged_late_does_not_poison_the_channel(
     try:
         with pytest.raises(PeerError, match="did not run ATTACH"):
             await hello(peer.port)
-        await asyncio.sleep(0.2)  # the session gave up on its DETACH too
+        # The session gives up on its DETACH too, then frees the channel.
+        async with asyncio.timeout(10):
+            while peer._channels[0].granted:  # noqa: ASYNC110 - the server's own state
+                await asyncio.sleep(0.01)
         kernel.awake = True  # the long step ends: the stale ATTACH runs now
         welcome = await hello(peer.port)
         # The stale ATTACH ran, then this one in the next epoch, acknowledged OK.
