@@ -200,6 +200,11 @@ class ServeConfig:
             raise ValueError("poll intervals must be in (0, 1] s and (0, 10] s")
         if self.connect_timeout_s <= 0:
             raise ValueError("connect_timeout_s must be > 0")
+        if self.workers > 1 and self.channel >= 0:
+            # Every worker claims its own channel of each peer: one fixed channel
+            # would be granted to the first worker and refused to the others.
+            raise ValueError(f"channel {self.channel} with workers = {self.workers}: each worker "
+                             "needs a channel of its own; leave channel at -1")
 
 
 @dataclass(frozen=True, slots=True)

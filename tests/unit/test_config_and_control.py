@@ -27,6 +27,7 @@ def test_peer_address_parse() -> None:
     ({"model_name": ""}, "model_name"),
     ({"max_model_len": 0}, "max_model_len"),
     ({"poll_interval_s": 0}, "poll intervals"),
+    ({"workers": 2, "channel": 0}, "each worker needs a channel of its own"),
 ])
 def test_serve_config_names_the_bad_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
