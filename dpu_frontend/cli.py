@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,40 +204,57 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+def _runner(args: argparse.Namespace, argv: Sequence[str] | None) -> Callable[[], int]:
+    """What ``args`` asks for, ready to run. Every config is built, and so validated,
+    here: a ``ValueError`` from this function is a usage error, one raised while the
+    command runs is a bug."""
+    if args.command == "softroce":
+        return lambda: run_cli(args.mode, args.argv, timeout=args.timeout, memory=args.memory,
+                               rwdirs=args.rwdir)
+    if args.command == "peer-stats":
+        address = PeerAddress.parse(args.peer)
+        return lambda: _print_stats(address)
+    if args.command == "demo":
+        return lambda: run_demo(transport=args.transport, rdma_ip=args.rdma_ip,
+                                prompt=args.prompt, max_tokens=args.max_tokens, port=args.port)
+    if args.command in ("serve", "check"):
+        config, logging_config = serve_config(args)
+        configure(logging_config.level, logging_config.format)
+        if args.command == "check":
+            return lambda: uvloop.run(run_check(config))
+        if config.workers > 1 and config.worker_index is None:
+            command_line = list(argv if argv is not None else sys.argv[1:])
+            return lambda: uvloop.run(supervise(config, command_line))
+        return lambda: uvloop.run(serve(config))
+    logging_config = LoggingConfig(level=args.log_level)
+    configure(logging_config.level, logging_config.format)
+    peer = peer_config(args)
+    if args.command == "gpu-peer":
+        gpu = gpu_peer_config(args, peer)
+        return lambda: uvloop.run(run_gpu_peer(gpu))
+    return lambda: uvloop.run(run_peer(peer))
+
+
+def _print_stats(address: PeerAddress) -> int:
+    print(json.dumps(asyncio.run(peer_stats(address)), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "softroce":
-            return run_cli(args.mode, args.argv, timeout=args.timeout, memory=args.memory,
-                           rwdirs=args.rwdir)
-        if args.command == "peer-stats":
-            channels = asyncio.run(peer_stats(PeerAddress.parse(args.peer)))
-            print(json.dumps(channels, indent=2))
-            return 0
-        if args.command == "demo":
-            return run_demo(transport=args.transport, rdma_ip=args.rdma_ip, prompt=args.prompt,
-                            max_tokens=args.max_tokens, port=args.port)
-        if args.command in ("serve", "check"):
-            config, logging_config = serve_config(args)
-            configure(logging_config.level, logging_config.format)
-            if args.command == "check":
-                return uvloop.run(run_check(config))
-            if config.workers > 1 and config.worker_index is None:
-                return uvloop.run(supervise(config, list(argv if argv is not None
-                                                         else sys.argv[1:])))
-            return uvloop.run(serve(config))
-        logging_config = LoggingConfig(level=args.log_level)
-        configure(logging_config.level, logging_config.format)
-        if args.command == "gpu-peer":
-            return uvloop.run(run_gpu_peer(gpu_peer_config(args, peer_config(args))))
-        return uvloop.run(run_peer(peer_config(args)))
-    except ValueError as exc:
+        run = _runner(args, argv)
+    except ValueError as exc:  # a bad flag, file or environment value: exit 2
         parser.error(str(exc))
-    except DpuFrontendError as exc:
+    try:
+        return run()
+    except DpuFrontendError as exc:  # an expected failure (start-up, a peer): its message
         print(f"dpu-frontend: {exc}", file=sys.stderr)
         return 1
-    return 0
+    except Exception:  # a bug, whatever its type: the traceback, and a crash's status
+        log.exception("dpu-frontend %s crashed", args.command)
+        return 1
 
 
 if __name__ == "__main__":
