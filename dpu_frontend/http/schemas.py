@@ -8,6 +8,7 @@ and refused with a 400 that says why, never silently ignored.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -199,12 +200,39 @@ def check_model(requested: str | None, served: str) -> None:
                             code="model_not_found")
 
 
+#: A \uD800-\uDFFF escape: the only way a lone surrogate gets into a decoded body.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def load_json(body: bytes) -> Any:
+    """The JSON value of ``body``; a 400 for anything that is not valid JSON text.
+
+    Beyond syntax: bytes that are not UTF-8 (RFC 8259 requires it), nesting deeper
+    than the interpreter's stack (``json`` recurses: a body of 100,000 ``[`` raises
+    RecursionError), and strings holding a lone surrogate (``"\\ud800"``, which no
+    tokenizer can encode) are malformed bodies, not server errors.
+    """
+    try:
+        text = body.decode("utf-8-sig")
+        data = json.loads(text)
+        if _SURROGATE_ESCAPE.search(text):  # rare: emoji escaped as pairs, or a lone half
+            json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: not UTF-8 ({exc.reason} at "
+                           f"byte {exc.start})") from exc
+    except UnicodeEncodeError as exc:
+        raise RequestError("request body is not valid JSON: a string holds a lone "
+                           "surrogate escape (\\ud800-\\udfff)") from exc
+    except RecursionError as exc:
+        raise RequestError("request body is not valid JSON: nested too deeply") from exc
+    except ValueError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    return data
+
+
 def parse(model: type[Model], body: bytes) -> Model:
     """Validate a JSON body; every failure becomes a 400 naming the parameter."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    data = load_json(body)
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     try:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 from dpu_frontend.engine.service import Service
-from dpu_frontend.errors import RequestError
 from dpu_frontend.http.chat import render
 from dpu_frontend.http.schemas import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     check_model,
+    load_json,
     parse,
 )
 
@@ -28,11 +26,7 @@ class TokenizeHandlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.read()
-        try:
-            is_chat = isinstance(data := json.loads(body), dict) and "messages" in data
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from exc
-        if is_chat:
+        if isinstance(data := load_json(body), dict) and "messages" in data:
             chat = parse(TokenizeChatRequest, body)
             self._check_model(chat.model)
             text = await self.service.off_loop(

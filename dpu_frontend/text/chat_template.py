@@ -79,7 +79,8 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise TemplateRaised(f"chat template error: {exc}", param="messages",
                                  code="chat_template_error") from exc
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+                RecursionError) as exc:  # RecursionError: ``tojson`` on a deeply nested value
             raise TemplateRaised(f"chat template failed on these messages: {exc}",
                                  param="messages", code="chat_template_error") from exc
         if continue_final_message:

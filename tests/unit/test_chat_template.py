@@ -98,3 +98,14 @@ def test_sandbox_refuses_unsafe_access() -> None:
 
 def test_tokenizer_without_template() -> None:
     assert load_chat_template(vocab("mistral"), None) is None
+
+
+def test_a_deeply_nested_value_is_a_request_error() -> None:
+    """Deep enough to parse, too deep for ``tojson`` (issue 10, defect 1)."""
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    template = ChatTemplate("{{ messages[0]['extra'] | tojson }}", {}, "inline")
+    with pytest.raises(RequestError) as info:
+        template.render([{"role": "user", "content": "x", "extra": deep}])
+    assert info.value.code == "chat_template_error" and info.value.status == 400

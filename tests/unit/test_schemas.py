@@ -70,3 +70,23 @@ def test_body_must_be_a_json_object() -> None:
         parse(CompletionRequest, b'{"model":')
     with pytest.raises(RequestError, match="not valid JSON"):
         parse(CompletionRequest, b"\xff\xfe")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"[" * 100_000, "nested too deeply"),  # json recurses: RecursionError (issue 10, defect 1)
+    (b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"model": "m", "prompt": "caf\xe9"}', "not UTF-8"),  # Latin-1, not UTF-8
+    (b'{"model": "m", "prompt": "a\\ud800b"}', "lone surrogate"),
+    (b'{"model": "m", "prompt": "\\udc00"}', "lone surrogate"),
+])
+def test_malformed_bodies_are_400(body: bytes, message: str) -> None:
+    with pytest.raises(RequestError, match="not valid JSON") as info:
+        parse(CompletionRequest, body)
+    assert message in info.value.message
+    assert info.value.status == 400 and info.value.param is None
+
+
+def test_surrogate_pairs_and_a_byte_order_mark_are_fine() -> None:
+    assert completion(prompt="\U0001F600").prompt == "\U0001F600"  # json.dumps: "\ud83d\ude00"
+    body = b'\xef\xbb\xbf{"model": "m", "prompt": "\\ud83d\\ude00"}'
+    assert parse(CompletionRequest, body).prompt == "\U0001F600"
