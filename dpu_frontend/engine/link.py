@@ -186,8 +186,9 @@ class PeerLink:
         channel, cfg = self.channel, self.config
         if channel is None:
             raise Unavailable(f"GPU peer {self.address} is {self.state.value}: {self.error}")
-        if channel.queued >= cfg.max_queued_requests:
-            raise Overloaded(f"{channel.queued} requests already wait for GPU peer {self.address}")
+        if channel.waiting >= cfg.max_queued_requests:
+            raise Overloaded(f"{channel.waiting} requests already wait for GPU peer "
+                             f"{self.address}")
         if channel.queued_tokens + len(prompt) > cfg.max_queued_prompt_tokens:
             raise Overloaded(f"{channel.queued_tokens} prompt tokens already wait for GPU peer "
                              f"{self.address}")

@@ -49,7 +49,7 @@ class PeerPool:
             channel = link.channel
             in_flight += link.in_flight
             if channel is not None:
-                queued += channel.queued
+                queued += channel.waiting
                 lay = channel.layout
                 m.ring_occupancy.labels(peer, "request").set(channel.in_ring / lay.req_slots)
                 m.ring_occupancy.labels(peer, "response").set(channel.unread / lay.resp_slots)

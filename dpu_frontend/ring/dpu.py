@@ -142,6 +142,11 @@ class DpuChannel:
         return len(self._pending) + len(self._cancels)
 
     @property
+    def waiting(self) -> int:
+        """Generate requests not yet written (cancels, also queued, are not requests)."""
+        return len(self._pending)
+
+    @property
     def queued_tokens(self) -> int:
         """Prompt tokens of the records waiting."""
         return self._pending_tokens

@@ -8,6 +8,7 @@ import pytest
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.link import LinkState, PeerLink
+from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.request import RingRequest
 from dpu_frontend.errors import (
     ClientTooSlow,
@@ -241,3 +242,19 @@ def test_the_state_machine_refuses_a_transition_it_does_not_have(metrics: Metric
     link._enter(LinkState.CLOSED)
     with pytest.raises(RuntimeError, match="closed -> up"):
         link._enter(LinkState.UP)
+
+
+async def test_a_queued_cancel_is_not_a_waiting_request(
+        link: PeerLink, peer: LoopbackPeer, metrics: Metrics) -> None:
+    """The running and waiting gauges count requests: a cancel record queued for the
+    ring is neither (it once made a running request look waiting)."""
+    request = link.submit([1], PARAMS)
+    await peer.gpu.wait_for(1)
+    request.cancel()
+    channel = link.channel
+    assert channel is not None and channel.queued == 1 and channel.waiting == 0
+    pool = PeerPool(serve_config(), metrics)
+    pool.links = [link]
+    pool.update_gauges()
+    assert metrics.registry.get_sample_value("dpu_frontend_num_requests_running") == 1
+    assert metrics.registry.get_sample_value("dpu_frontend_num_requests_waiting") == 0

@@ -116,6 +116,9 @@ def test_the_sequence_window_holds_generates_but_never_a_cancel() -> None:
     assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [1]
     assert pump.dpu.open_sequences == 1 and pump.dpu.queued == 1  # 2 waits for the window
     assert pump.dpu.cancel(1) is True
+    # The cancel is queued too, but it is not a request waiting: the gauges and the
+    # admission limit count only generates.
+    assert pump.dpu.queued == 2 and pump.dpu.waiting == 1
     pump.poll()
     pump.flush()
     assert [r for r, _ in pump.gpu.poll_requests()] == [CancelRecord(1)]
