@@ -7,8 +7,13 @@ connections over the workers (SO_REUSEPORT); the supervisor binds the port
 first, so that port 0 becomes one port the kernel chose for all of them and
 no other program can take it between two workers' starts. Metrics aggregate through
 prometheus-client's multiprocess directory, which the supervisor creates and
-removes. The supervisor reports READY once every worker listens, restarts a
-worker that dies, and on SIGTERM has all of them drain.
+removes.
+
+The supervisor reports READY once every worker listens. A worker that dies is
+started again; a start that fails (no GPU peer is up, say) is retried with a
+growing wait, while the other workers serve on. SIGTERM ends a start under
+way at once and has the serving workers drain. Each worker's standard output
+is read for its whole life and logged line by line.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.multiprocess import mark_process_dead
 
@@ -34,34 +41,100 @@ from dpu_frontend.sdnotify import Notifier
 
 log = logging.getLogger("dpu_frontend.workers")
 
+#: A worker that exits is started again after RESTART_DELAY_S; each start that fails
+#: (the worker exits before it is ready: no GPU peer is up, say) doubles the wait, up
+#: to RESTART_MAX_DELAY_S, so a peer away for minutes costs one attempt per that long.
 RESTART_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 10.0
+
+#: prometheus-client's function is untyped: called through this typed name. It removes
+#: the dead process's files of live gauges, so a scrape no longer counts it.
+_mark_process_dead: Callable[[int, str], None] = mark_process_dead
 
 
 class Worker:
+    """One ``serve --worker-index i`` process at a time: started, restarted, stopped."""
+
     def __init__(self, index: int, argv: list[str], env: dict[str, str]) -> None:
         self.index = index
         self.argv = [*argv, "--worker-index", str(index)]
         self.env = env
         self.proc: asyncio.subprocess.Process | None = None
+        self._stdout: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
 
     async def start(self, ready_within: float) -> None:
-        """Start it and wait for its ready line (its logs go to our standard error)."""
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE)
-        stdout = self.proc.stdout
-        async with asyncio.timeout(ready_within):
-            while stdout is not None:
+        """Start it and wait for its ready line; its logs go to our standard error.
+
+        A worker that exits first, or is not ready in time, fails the start
+        (``StartupError``) and is gone when this returns; so is one whose start is
+        cancelled (a worker that is not ready serves nothing: SIGKILL).
+        """
+        try:
+            proc = self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE)
+        except OSError as exc:
+            raise StartupError(f"cannot start worker {self.index}: {exc}") from exc
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Read for the worker's whole life, not only up to the ready line: a pipe that
+        # nobody reads fills up and blocks the worker at its next write.
+        self._stdout = asyncio.create_task(self._read_stdout(proc.stdout, ready),
+                                           name=f"worker {self.index} stdout")
+        try:
+            try:
+                async with asyncio.timeout(ready_within):
+                    await asyncio.wait({ready, self._stdout}, return_when=asyncio.FIRST_COMPLETED)
+            except TimeoutError:
+                raise StartupError(f"worker {self.index} (pid {proc.pid}) was not ready within "
+                                   f"{ready_within:g} s") from None
+            if not ready.done():
+                raise StartupError(f"worker {self.index} (pid {proc.pid}) exited with status "
+                                   f"{await proc.wait()} before it was ready")
+        except BaseException:
+            await self.kill()
+            raise
+        log.info("worker %d (pid %d) ready", self.index, proc.pid)
+
+    async def _read_stdout(self, stdout: asyncio.StreamReader | None,
+                           ready: asyncio.Future[None]) -> None:
+        """Until it closes: the ready line sets ``ready``; any other line is logged."""
+        if stdout is None:
+            return
+        while True:
+            try:
                 line = await stdout.readline()
-                if not line:
-                    raise RuntimeError(f"worker {self.index} exited before it was ready")
-                if line.decode().startswith(DAEMON_READY):
-                    break
-        log.info("worker %d (pid %d) ready", self.index, self.proc.pid)
+            except ValueError:  # longer than the reader's limit: dropped, reading goes on
+                log.warning("worker %d wrote a line too long to forward", self.index)
+                continue
+            if not line:
+                return
+            text = line.decode(errors="replace").rstrip()
+            if not ready.done() and text.startswith(DAEMON_READY):
+                ready.set_result(None)
+            else:
+                log.info("worker %d: %s", self.index, text)
 
     async def wait(self) -> int:
+        """Until the worker exits and its standard output is read to the end: its status.
+
+        The end comes with the exit: a worker starts no process that could hold
+        its pipe open.
+        """
         if self.proc is None:
             return 0
-        return await self.proc.wait()
+        status = await self.proc.wait()
+        if self._stdout is not None:
+            await self._stdout
+        return status
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.wait()
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -93,58 +166,87 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
     stop = stop_on_signals()
     ready_timeout = config.connect_timeout_s * 2 + 60
     try:
-        await asyncio.gather(*(w.start(ready_timeout) for w in workers))
+        # SIGTERM during a start or a restart ends it at once (its worker is killed);
+        # the workers that serve drain, with the whole drain timeout.
+        if not await _unless(stop, _together([w.start(ready_timeout) for w in workers])):
+            return 0
         announce_ready(DAEMON_READY, f"http://{config.host}:{port}")
         notifier.ready(f"{config.workers} workers serving {config.model_name} on port {port}")
         watchdog = asyncio.create_task(notifier.watchdog())
         try:
-            await _keep_alive(workers, stop, metrics_dir, ready_timeout)
+            await _unless(stop, _together([_keep(w, metrics_dir, ready_timeout)
+                                           for w in workers]))
         finally:
             watchdog.cancel()
         notifier.stopping(f"draining {config.workers} workers")
-        await _stop_all(workers, config.drain_timeout_s + CLOSE_GRACE_S + 5)
         return 0
     finally:
-        await _stop_all(workers, 5)
+        await _stop_all(workers, config.drain_timeout_s + CLOSE_GRACE_S + 5)
         reserved.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-async def _keep_alive(workers: list[Worker], stop: asyncio.Event, metrics_dir: Path,
-                      ready_timeout: float) -> None:
-    """Until ``stop``: a worker that exits is replaced after a short delay."""
-    stopping = asyncio.create_task(stop.wait())
-    exits = {asyncio.create_task(w.wait()): w for w in workers}
-    try:
+async def _keep(worker: Worker, metrics_dir: Path, ready_timeout: float) -> None:
+    """Start ``worker`` again whenever it exits, until cancelled.
+
+    A start that fails is retried after a wait that doubles (``RESTART_DELAY_S``
+    up to ``RESTART_MAX_DELAY_S``); the other workers go on serving untouched.
+    """
+    while True:
+        status = await worker.wait()
+        log.error("worker %d (pid %d) exited with status %s; restarting it in %g s",
+                  worker.index, worker.pid, status, RESTART_DELAY_S)
+        _mark_process_dead(worker.pid, str(metrics_dir))
+        delay = RESTART_DELAY_S
         while True:
-            done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
-            if stopping in done:
-                return
-            for task in done:
-                worker = exits.pop(task)
-                pid = worker.proc.pid if worker.proc is not None else 0
-                log.error("worker %d (pid %d) exited with %s; restarting it", worker.index, pid,
-                          task.result())
-                mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
-                await asyncio.sleep(RESTART_DELAY_S)
+            await asyncio.sleep(delay)
+            try:
                 await worker.start(ready_timeout)
-                exits[asyncio.create_task(worker.wait())] = worker
+                break
+            except StartupError as exc:
+                _mark_process_dead(worker.pid, str(metrics_dir))
+                delay = min(2 * delay, RESTART_MAX_DELAY_S)
+                log.error("%s; next attempt in %g s", exc, delay)
+
+
+async def _together(work: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``work`` concurrently. The first failure, or a cancellation, cancels the
+    rest; every one has ended (a start cancelled has killed its worker) on return."""
+    tasks = [asyncio.create_task(w) for w in work]
+    try:
+        await asyncio.gather(*tasks)
     finally:
-        for task in [stopping, *exits]:
+        for task in tasks:
             task.cancel()
+        await asyncio.wait(tasks)
+
+
+async def _unless(stop: asyncio.Event, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work`` until it ends (True; what it raised is raised) or ``stop`` is set
+    (False: ``work`` is cancelled, and has ended on return)."""
+    task = asyncio.create_task(work)
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        stopping.cancel()
+        await asyncio.wait({task, stopping})
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def _stop_all(workers: list[Worker], grace: float) -> None:
     """SIGTERM (each drains), then SIGKILL for what is left after ``grace`` seconds."""
-    running = [w.proc for w in workers if w.proc is not None and w.proc.returncode is None]
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+    running = [w for w in workers if w.proc is not None and w.proc.returncode is None]
+    for worker in running:
+        if worker.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(signal.SIGTERM)
     try:
         async with asyncio.timeout(grace):
-            await asyncio.gather(*(p.wait() for p in running))
+            await asyncio.gather(*(w.wait() for w in running))
     except TimeoutError:
-        for proc in running:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        await asyncio.gather(*(p.wait() for p in running))
+        await asyncio.gather(*(w.kill() for w in running))

@@ -1,19 +1,26 @@
-"""``serve --workers 2``: two processes, one port, a channel each, metrics summed over both."""
+"""``serve --workers 2``: two processes, one port, a channel each, metrics summed over
+both; a worker lost while no peer is up, and SIGTERM during its restart."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import signal
+from pathlib import Path
 
 import aiohttp
 
 from dpu_frontend.control.stats import peer_stats
-from tests.integration.lifecycle import outcome, read_events
+from tests.integration.lifecycle import endings, eventually, outcome, read_events
 from tests.integration.test_metrics import PROMTOOL
-from tests.stack import MODEL, running_stack
+from tests.stack import MODEL, Stack, running_stack
 
 REQUESTS = 24
+#: --drain-timeout 5: the supervisor gives its workers 5 + 5 (close) + 5 s, then SIGKILL.
+DRAIN = ("--drain-timeout", "5")
+GRACE_S = 15
 
 
 async def test_two_workers_share_the_port_and_aggregate_metrics() -> None:
@@ -49,3 +56,103 @@ async def test_two_workers_share_the_port_and_aggregate_metrics() -> None:
         assert check.returncode == 0, (out + err).decode()
         stack.daemon.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(stack.daemon.wait, 60) == 0
+
+
+def workers_of(supervisor: int) -> set[int]:
+    """The supervisor's child processes: its workers, and a worker being started."""
+    return {int(pid) for pid in
+            Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()}
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie not reaped yet counts: it runs nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def both_serve(stack: Stack) -> bool:
+    """One more request, on a connection of its own: has each worker's channel taken one?"""
+    body = {"model": MODEL, "prompt": "which worker?", "max_tokens": 1}
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{stack.base_url}/v1/completions", json=body) as r:
+        await r.read()  # a 503 while a link is still coming back is fine: try again
+    return all(c["admitted"] > 0 for c in await peer_stats(stack.peer_address()))
+
+
+async def test_a_worker_lost_while_no_peer_is_up_comes_back_with_the_peer() -> None:
+    """Its restarts fail while the peer is down, and are retried; the other worker
+    answers all along; both serve once the peer is back; SIGTERM drains."""
+    with running_stack("shm", tokens_per_s=50, timeout=120, peer_args=("--channels", "2"),
+                       serve_args=("--workers", "2", *DRAIN)) as stack:
+        supervisor = stack.daemon.pid
+        lost, survivor = sorted(workers_of(supervisor))
+        stack.peers[0].kill()
+        os.kill(lost, signal.SIGKILL)
+        attempts: set[int] = set()
+
+        async def an_attempt_failed() -> bool:
+            now = workers_of(supervisor) - {lost, survivor}
+            attempts.update(now)
+            return bool(attempts - now)  # one came and went: no peer to connect to
+
+        await eventually(an_attempt_failed, "no restart attempt came and went")
+        assert survivor in workers_of(supervisor) and stack.daemon.poll() is None
+        async with aiohttp.ClientSession() as http:
+            for _ in range(4):  # only the survivor listens: each connection is its
+                async with http.get(f"{stack.base_url}/health") as r:
+                    assert r.status == 503 and (await r.json())["peers"][0]["up"] is False
+
+        stack.peers[0].restart()  # a new peer: its counters start at 0
+        await eventually(lambda: both_serve(stack), "the workers never both served again")
+        assert len(workers_of(supervisor)) == 2 and survivor in workers_of(supervisor)
+        body = {"model": MODEL, "prompt": "back", "max_tokens": 2, "stream": True}
+
+        async def one(i: int) -> str:
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{stack.base_url}/v1/completions", json=body | {"prompt": f"b {i}"}) as r:
+                return outcome(await read_events(r))
+
+        assert await asyncio.gather(*(one(i) for i in range(REQUESTS))) == ["finished"] * REQUESTS
+
+        # SIGTERM under an open stream: it finishes (the workers drain), exit status 0.
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{stack.base_url}/v1/completions",
+                json={"model": MODEL, "prompt": "last", "max_tokens": 100, "stream": True,
+                      "ignore_eos": True}) as r:
+            assert (await r.content.readline()).startswith(b"data: {")
+            stack.daemon.send_signal(signal.SIGTERM)
+            events = await read_events(r)
+        assert endings(events) == ["finish_reason", "[DONE]"]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert await asyncio.to_thread(stack.daemon.wait, GRACE_S) == 0
+
+
+async def test_sigterm_ends_a_restart_attempt_at_once() -> None:
+    """A worker restarted while the peer is stopped (alive, silent) waits for its
+    handshake for the whole --connect-timeout: SIGTERM does not wait for it."""
+    with running_stack("shm", timeout=120, peer_args=("--channels", "2"),
+                       serve_args=("--workers", "2", *DRAIN, "--connect-timeout", "300")) as stack:
+        supervisor = stack.daemon.pid
+        lost, survivor = sorted(workers_of(supervisor))
+        stack.peers[0].kill(signal.SIGSTOP)
+        try:
+            os.kill(lost, signal.SIGKILL)
+            attempts: set[int] = set()
+
+            async def attempting() -> bool:
+                attempts.update(workers_of(supervisor) - {lost, survivor})
+                return bool(attempts)
+
+            await eventually(attempting, "no restart attempt")
+            stack.daemon.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(stack.daemon.wait, GRACE_S) == 0
+
+            async def all_gone() -> bool:
+                return all(gone(pid) for pid in {survivor, *attempts})
+
+            await eventually(all_gone, "a worker outlived the supervisor", limit=10)
+        finally:
+            stack.peers[0].kill(signal.SIGCONT)
