@@ -159,6 +159,11 @@ class ServeConfig:
         "requests waiting for each peer's request ring before 429"))
     max_queued_prompt_tokens: int = field(default=1 << 20, metadata=about(
         "prompt tokens waiting for each peer's request ring before 429"))
+    # 4 MiB holds a prompt of the whole 131072-token context at 32 bytes a token:
+    # text takes ~4 bytes a token, token ids in JSON up to 7, \u-escaped CJK ~9.
+    max_request_bytes: int = field(default=4 << 20, metadata=about(
+        "largest request body in bytes; a larger one gets 413 before the rest is read "
+        "(the default holds a 131072-token prompt at 32 bytes a token)"))
     stream_buffer_records: int = field(default=4096, metadata=about(
         "response records buffered for one slow client before it is cut off"))
     drain_timeout_s: float = field(default=30.0, metadata=about(
@@ -188,8 +193,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
-        for name in ("max_queued_requests", "max_queued_prompt_tokens", "stream_buffer_records",
-                     "tokenizer_threads", "workers"):
+        for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_request_bytes",
+                     "stream_buffer_records", "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.model_name:

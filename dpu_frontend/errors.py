@@ -39,6 +39,16 @@ class PromptTooLong(RequestError):
     """The prompt cannot fit the model context or the peer's prompt arena."""
 
 
+class RequestTooLarge(RequestError):
+    """The request body is larger than ``max_request_bytes`` (413)."""
+
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body larger than {limit} bytes (max_request_bytes)",
+                         code="request_too_large")
+
+
 class Overloaded(RequestError):
     """The queue in front of the request rings is full: try again shortly (429)."""
 

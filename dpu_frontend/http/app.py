@@ -18,7 +18,10 @@ from dpu_frontend.metrics import Metrics
 
 
 def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Application:
-    app = web.Application(middlewares=[boundary(metrics)], client_max_size=64 << 20)
+    # A body over the limit is refused from its Content-Length before a byte is read, or
+    # by aiohttp as soon as a chunked one grows past it (the error boundary: 413).
+    app = web.Application(middlewares=[boundary(metrics)],
+                          client_max_size=service.config.max_request_bytes)
     app.on_response_prepare.append(add_request_id)
     created = int(time.time())
     spec = openapi.build(model_name)

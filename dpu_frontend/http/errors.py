@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from dpu_frontend.errors import PeerError, RequestError
+from dpu_frontend.errors import PeerError, RequestError, RequestTooLarge
 from dpu_frontend.logs import request_id
 from dpu_frontend.metrics import Metrics
 
@@ -80,7 +80,12 @@ def boundary(metrics: Metrics) -> Middleware:
 
 async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
-        return await handler(request)
+        if (request.content_length or 0) > request.client_max_size:
+            raise RequestTooLarge(request.client_max_size)  # before reading a byte of it
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge as exc:  # a chunked body grew past the limit
+            raise RequestTooLarge(request.client_max_size) from exc
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from tests.http.conftest import Factory
+from dpu_frontend.config import ServeConfig
+from tests.http.conftest import MODEL, Factory, Frontend
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
 BODY_ROUTES = [*GENERATION, "/tokenize", "/detokenize"]
@@ -21,7 +25,7 @@ def assert_error(status: int, body: Any, expected: int, type_: str = "invalid_re
     assert body["error"]["message"]
 
 
-async def post_raw(front: Any, path: str, raw: bytes) -> tuple[int, Any]:
+async def post_raw(front: Frontend, path: str, raw: bytes) -> tuple[int, Any]:
     resp = await front.client.post(path, data=raw, headers={"Content-Type": "application/json"})
     return resp.status, await resp.json()
 
@@ -54,3 +58,88 @@ async def test_deep_nesting_inside_a_valid_request_is_400(make_frontend: Factory
     status, body = await post_raw(front, "/v1/chat/completions", raw)
     assert_error(status, body, 400)
     assert not front.gpu.arrivals
+
+
+# -- defect 2: a body over max_request_bytes is 413, before it is read ------------------
+
+
+async def exchange_raw(front: Frontend, head: bytes, body: bytes = b"") -> bytes:
+    """Send ``head`` (and ``body``) on a socket of its own; the whole response as it came
+    on the wire. The guard only fails a test that would otherwise hang."""
+    server = front.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        writer.write(head + b"\r\n\r\n" + body)
+        async with asyncio.timeout(60):
+            raw = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in raw.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if length is not None:
+                return raw + await reader.readexactly(length)
+            return raw + await reader.readuntil(b"\r\n0\r\n\r\n")  # the last chunk
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def split_response(raw: bytes) -> tuple[list[bytes], dict[str, str], bytes]:
+    """Status lines found anywhere in ``raw``, the headers, and the body (de-chunked)."""
+    status_lines = [line for line in raw.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    headers = dict(line.decode().split(": ", 1) for line in head.split(b"\r\n")[1:])
+    if headers.get("Transfer-Encoding") != "chunked":
+        return status_lines, headers, rest
+    body = b""
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return status_lines, headers, body
+        body, rest = body + rest[:size], rest[size + 2:]
+
+
+@pytest.mark.parametrize("path", BODY_ROUTES)
+async def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(
+        make_frontend: Factory, path: str) -> None:
+    """Headers only: a server that read the body would wait for it; 413 comes at once."""
+    front = await make_frontend()
+    limit = ServeConfig().max_request_bytes
+    assert limit < 10_000_000  # "a 10 MB body gets 413"
+    raw = await exchange_raw(front, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+                                    f"Content-Type: application/json\r\n"
+                                    f"Content-Length: 10000000".encode())
+    status_lines, headers, body = split_response(raw)
+    assert status_lines == [b"HTTP/1.1 413 Request Entity Too Large"]
+    assert headers["Content-Type"].startswith("application/json")
+    assert_error(413, json.loads(body), 413, code="request_too_large")
+    assert str(limit) in json.loads(body)["error"]["message"]
+
+
+async def test_a_chunked_body_is_cut_off_at_the_limit(make_frontend: Factory) -> None:
+    front = await make_frontend(max_request_bytes=1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "qwen3", "prompt": "'
+        for _ in range(1000):  # 1 MB in all, with no Content-Length
+            yield b"x" * 1000
+        yield b'"}'
+
+    resp = await front.client.post("/v1/completions", data=chunks())
+    assert resp.request_info.headers.get("Transfer-Encoding") == "chunked"
+    assert_error(resp.status, await resp.json(), 413, code="request_too_large")
+    assert "1024 bytes" in (await resp.json())["error"]["message"]
+    assert not front.gpu.arrivals
+
+
+async def test_a_body_at_the_limit_is_served(make_frontend: Factory) -> None:
+    front = await make_frontend(max_request_bytes=1024)
+    body = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1}).encode()
+    body += b" " * (1024 - len(body))
+    request = asyncio.create_task(front.client.post(
+        "/v1/completions", data=body, headers={"Content-Type": "application/json"}))
+    (arrival,) = await front.gpu.wait_for(1)
+    front.gpu.finish(arrival.record.request_id, (6,))
+    assert (await request).status == 200
+    over = await front.client.post("/v1/completions", data=body + b" ",
+                                   headers={"Content-Type": "application/json"})
+    assert_error(over.status, await over.json(), 413, code="request_too_large")
