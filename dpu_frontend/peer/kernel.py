@@ -28,7 +28,13 @@ class RegionAddress:
 
 
 class PeerKernel(abc.ABC):
-    """The GPU half of every channel, behind one mailbox area."""
+    """The GPU half of every channel, behind one mailbox area.
+
+    A kernel that stops serving one channel on its own stores DETACHED in its
+    mailbox (``KernelMailbox.detached``); one that stops serving at all says
+    why in ``failure``. Either way the control plane closes the control
+    connections concerned at once (docs/protocol.md, section 8).
+    """
 
     @abc.abstractmethod
     def open(self, layout: Layout) -> RegionAddress:
@@ -53,7 +59,8 @@ class PeerKernel(abc.ABC):
 
     @abc.abstractmethod
     def failure(self) -> str | None:
-        """Why the kernel stopped serving, or None while it runs."""
+        """Why the kernel stopped serving, or None while it runs. Each control session
+        polls it every few milliseconds (``server.KERNEL_WATCH_S``): it must be cheap."""
 
     @abc.abstractmethod
     def channel_stats(self, channel: int) -> dict[str, Any]:

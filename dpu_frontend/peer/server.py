@@ -13,6 +13,11 @@ a persistent GPU kernel:
   daemon is welcomed with the epoch;
 * detach (the control connection closed): the QP is destroyed first, so no
   late WRITE of the old session can land, then DETACH.
+
+The connection stays open exactly while the channel is in use: when the
+kernel stops serving a channel (it failed, or it detached the channel on its
+own), the control plane closes that channel's connection at once, so the
+daemon fails its link now rather than at its heartbeat deadline.
 """
 
 from __future__ import annotations
@@ -51,18 +56,26 @@ MAILBOX_POLL_S = 0.0002
 #: channel waits this long before it can be attached again, so that a poll the
 #: old daemon had under way cannot land in the next attachment.
 SHM_DETACH_GRACE_S = 0.2
+#: How often a session checks that the kernel still serves its channel. The kernel
+#: reports a failure or a detach in memory, with nothing to wait on; this is a
+#: hundredth of the daemon's default heartbeat deadline (--peer-timeout).
+KERNEL_WATCH_S = 0.01
 
 
 @dataclass(slots=True)
 class _Channel:
     index: int
     mailbox: HostMailbox
-    granted: bool = False  # a control session holds it (set before any await)
+    owner: object | None = None  # the control session that holds it (set before any await)
     attached: bool = False  # an ATTACH was posted: DETACH it when the session ends
     epoch: int = 0  # the last epoch posted; epochs only grow, acknowledged or not
     attachments: int = 0
     qp: Any = None
     unacked: int = 0  # a command's sequence number the kernel has not acknowledged yet
+
+    @property
+    def granted(self) -> bool:
+        return self.owner is not None
 
 
 class PeerServer:
@@ -108,6 +121,7 @@ class PeerServer:
         if task is not None:
             self._sessions.add(task)
         channel: _Channel | None = None
+        session = object()  # what holds the channel: only its end detaches it
         try:
             if self._closing:  # accepted just before close(): nothing to serve
                 return
@@ -116,12 +130,15 @@ class PeerServer:
                 await messages.send(writer, {"op": "stats", "channels": self.stats()})
                 return
             hello = messages.Hello.from_dict(first)
-            channel = self._grant(hello)
+            channel = self._grant(hello, session)
             welcome = await self._attach(channel, hello)
             await messages.send(writer, welcome.to_dict())
             log.info("channel %d attached in epoch %d to %s (%s)", channel.index, channel.epoch,
                      writer.get_extra_info("peername"), hello.client)
-            await reader.read()  # the session lives until the daemon closes it
+            lost = await self._hold(channel, reader)
+            if lost is not None:
+                log.error("channel %d (epoch %d): %s; closing its control connection",
+                          channel.index, channel.epoch, lost)
         except LayoutMismatch as exc:
             log.warning("control session refused: %s", exc)
             with contextlib.suppress(ConnectionError):
@@ -136,14 +153,14 @@ class PeerServer:
             writer.close()  # first: the daemon stops using the channel at EOF
             try:
                 if channel is not None:
-                    await self._detach(channel)
+                    await self._detach(channel, session)
                 with contextlib.suppress(ConnectionError):
                     await writer.wait_closed()
             finally:
                 if task is not None:
                     self._sessions.discard(task)
 
-    def _grant(self, hello: messages.Hello) -> _Channel:
+    def _grant(self, hello: messages.Hello, session: object) -> _Channel:
         if hello.protocol != self.layout_version:
             raise LayoutMismatch(version_refusal(hello.protocol))
         if hello.transport != self.config.transport:
@@ -151,7 +168,7 @@ class PeerServer:
         failure = self.kernel.failure()
         if failure is not None:
             raise PeerError(failure)
-        free = [c for c in self._channels if not c.granted]
+        free = [c for c in self._channels if c.owner is None]
         if hello.channel >= 0:
             free = [c for c in free if c.index == hello.channel]
             if hello.channel >= len(self._channels):
@@ -159,7 +176,7 @@ class PeerServer:
                                 f"(this peer has {len(self._channels)})")
         if not free:
             raise PeerError("no free channel: every ring pair is attached to a daemon worker")
-        free[0].granted = True
+        free[0].owner = session
         return free[0]
 
     async def _attach(self, channel: _Channel, hello: messages.Hello) -> messages.Welcome:
@@ -197,7 +214,32 @@ class PeerServer:
             region=region, epoch=epoch, qp=qp_info, model=self.model,
         )
 
-    async def _detach(self, channel: _Channel) -> None:
+    async def _hold(self, channel: _Channel, reader: asyncio.StreamReader) -> str | None:
+        """Until the daemon closes the connection (None), or the kernel stops serving
+        ``channel``: why (its failure, or a DETACH it ran on its own). Then the session
+        must end at once (docs/protocol.md, section 8)."""
+        closed = asyncio.ensure_future(reader.read())  # no message follows the welcome
+        try:
+            while not closed.done():
+                failure = self.kernel.failure()
+                if failure is not None:
+                    return failure
+                if not channel.mailbox.attached():
+                    return "the kernel detached the channel"
+                await asyncio.wait({closed}, timeout=KERNEL_WATCH_S)
+            closed.result()  # a connection reset: ConnectionError
+            return None
+        finally:
+            closed.cancel()
+
+    async def _detach(self, channel: _Channel, session: object) -> None:
+        """End ``session``'s hold on ``channel``, if it still holds it: only the owner
+        detaches, so a session that ends late can never detach the next owner's
+        attachment (nor free its channel)."""
+        if channel.owner is not session:
+            log.error("channel %d: a session that no longer holds it ended; left alone",
+                      channel.index)
+            return
         # The QP goes first: once it is destroyed no WRITE of this session can land,
         # so the next ATTACH's reset is final. shm has no QP: a short grace instead.
         if channel.qp is not None and self._resources is not None:
@@ -215,7 +257,7 @@ class PeerServer:
             # service until it has acknowledged every command (see _command).
             log.error("channel %d: %s", channel.index, exc)
         finally:
-            channel.granted = False
+            channel.owner = None
 
     async def _command(self, channel: _Channel, command: Command, epoch: int = 0) -> Ack:
         """Post ``command`` and wait for its acknowledgement.

@@ -94,6 +94,12 @@ class HostMailbox:
         word = int.from_bytes(mem.read(_offset(ch, "state"), 8), "little")
         return Ack(ChannelState(word & 0xFFFF_FFFF), MailboxError(word >> 32))
 
+    def attached(self) -> bool:
+        """Whether the kernel's last stored ``state`` is ATTACHED. A kernel that stops
+        serving a channel on its own stores DETACHED without an acknowledgement."""
+        word = self.mem.read(_offset(self.channel, "state"), 4)
+        return int.from_bytes(word, "little") == ChannelState.ATTACHED
+
     def counters(self) -> dict[str, int]:
         data = self.mem.read(_offset(self.channel, "records"), 8 * len(COUNTERS))
         return {name: int.from_bytes(data[8 * i:8 * i + 8], "little")
@@ -117,6 +123,12 @@ class KernelMailbox:
         command = word & 0xFFFF_FFFF
         known = command in Command._value2member_map_
         return seq, Command(command) if known else command, word >> 32
+
+    def detached(self) -> None:
+        """Stop serving the channel on its own (no command): state DETACHED, no ack.
+        The control plane then closes the channel's control connection."""
+        self.mem.write(_offset(self.channel, "state"),
+                       int(ChannelState.DETACHED).to_bytes(4, "little"))
 
     def ack(self, seq: int, state: ChannelState, error: MailboxError) -> None:
         mem, ch = self.mem, self.channel
