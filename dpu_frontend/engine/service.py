@@ -28,7 +28,7 @@ from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
 from dpu_frontend.text.stop import StopMatcher
-from dpu_frontend.text.tokenizer import Vocabulary, encode
+from dpu_frontend.text.tokenizer import Vocabulary, count_beyond, encode
 
 log = logging.getLogger("dpu_frontend.engine")
 
@@ -113,15 +113,46 @@ class Service:
             return await loop.run_in_executor(self._executor, self._encode, text,
                                               add_special_tokens)
 
-    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+    async def tokenize_prompt(self, text: str, param: str, *,
+                              add_special_tokens: bool = True) -> list[int]:
+        """The ids of a prompt; for one that cannot fit the context, PromptTooLong
+        (naming ``param``) after as little tokenizing as can tell."""
+        most = self.vocab.max_token_chars
+        if most is not None and len(text) > most * (self.max_model_len - 1):
+            # No token stands for more than ``most`` characters: this many cannot fit.
+            raise self._too_long(f"your prompt is {len(text)} characters long, at least "
+                                 f"{-(-len(text) // most)} tokens of this vocabulary", param)
+        loop = asyncio.get_running_loop()
+        with self.metrics.tokenize_time.time():
+            return await loop.run_in_executor(self._executor, self._encode_prompt, text,
+                                              add_special_tokens, param)
+
+    def _encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        # What one prompt may cost a tokenizer thread: one longer than max_model_len
+        # characters is counted a chunk at a time first, so that a prompt too long
+        # for the context is refused after tokenizing about max_model_len tokens and
+        # one chunk (a 20 MB prompt was tokenized whole, 2.5M tokens in 19 s); one
+        # that fits is tokenized twice. Characters that make few tokens each (a run
+        # of spaces) are bounded by max_request_bytes only.
+        if len(text) > self.max_model_len:
+            counted = count_beyond(self._tokenizer(), text, self.max_model_len - 1)
+            if counted is not None:
+                raise self._too_long(f"your prompt has at least {counted} tokens", param)
+        return self._encode(text, add_special_tokens)
+
+    def _too_long(self, detail: str, param: str) -> PromptTooLong:
+        return PromptTooLong(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens. However, {detail}.", param=param,
+                             code="context_length_exceeded")
+
+    def check_length(self, prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
+        """The prompt and ``max_tokens`` must fit the context; the error names the
+        prompt's parameter when the prompt alone leaves no room, else ``max_tokens``."""
         if prompt_tokens + max_tokens > self.max_model_len:
-            raise PromptTooLong(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {prompt_tokens + max_tokens} tokens "
-                f"({prompt_tokens} in the prompt, {max_tokens} for the completion).",
-                param="max_tokens" if prompt_tokens < self.max_model_len else "messages",
-                code="context_length_exceeded",
-            )
+            raise self._too_long(
+                f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion)",
+                "max_tokens" if prompt_tokens < self.max_model_len else prompt_param)
 
     def submit(self, prompt: list[int], params: SamplingParams,
                options: TextOptions = TextOptions()) -> Generation:

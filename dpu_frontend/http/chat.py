@@ -14,6 +14,7 @@ from dpu_frontend.text.chat_template import ChatTemplate
 class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
     model_type = ChatCompletionRequest
     id_prefix = "chatcmpl"
+    prompt_param = "messages"
     chunk_object = "chat.completion.chunk"
 
     async def prompts(self, req: ChatCompletionRequest) -> list[list[int]]:
@@ -21,7 +22,8 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
             render, self.service.chat_template, req.messages, req.add_generation_prompt,
             req.continue_final_message, req.chat_template_kwargs)
         # The template writes the special tokens (BOS) itself, as HF's apply_chat_template.
-        return [await self.service.tokenize(text, add_special_tokens=False)]
+        return [await self.service.tokenize_prompt(text, self.prompt_param,
+                                                     add_special_tokens=False)]
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         return self.service.max_model_len - prompt_tokens  # OpenAI: up to the context

@@ -15,11 +15,12 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class CompletionsHandler(GenerationHandler[CompletionRequest]):
     model_type = CompletionRequest
     id_prefix = "cmpl"
+    prompt_param = "prompt"
     chunk_object = "text_completion"
 
     async def prompts(self, req: CompletionRequest) -> list[list[int]]:
         if isinstance(req.prompt, str):
-            return [await self.service.tokenize(req.prompt)]
+            return [await self.service.tokenize_prompt(req.prompt, self.prompt_param)]
         items: list[Any] = list(req.prompt)
         if not items:
             return [[]]
@@ -27,7 +28,8 @@ class CompletionsHandler(GenerationHandler[CompletionRequest]):
             return [items]
         if isinstance(items[0], list):  # several prompts as token ids
             return [list(p) for p in items]
-        return list(await asyncio.gather(*(self.service.tokenize(t) for t in items)))
+        return list(await asyncio.gather(*(self.service.tokenize_prompt(t, self.prompt_param)
+                                           for t in items)))
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         return DEFAULT_MAX_TOKENS

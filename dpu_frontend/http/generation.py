@@ -69,6 +69,7 @@ class Job:
 class GenerationHandler(abc.ABC, Generic[Request]):
     model_type: type[Request]
     id_prefix: str  # "cmpl", "chatcmpl"
+    prompt_param: str  # the parameter that holds the prompt: "prompt", "messages"
     chunk_object: str  # the "object" of streamed events
 
     def __init__(self, service: Service, model_name: str) -> None:
@@ -109,13 +110,13 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         check_model(req.model, self.model_name)
         prompts = await self.prompts(req)
         if any(not p for p in prompts):
-            raise RequestError("prompt encodes to zero tokens", param="prompt")
+            raise RequestError("prompt encodes to zero tokens", param=self.prompt_param)
         for prompt in prompts:
-            self.service.check_ids(prompt, "prompt")
+            self.service.check_ids(prompt, self.prompt_param)
         self.service.check_ids(req.stop_token_ids, "stop_token_ids")
         longest = max(len(p) for p in prompts)
         max_tokens = self.requested_max_tokens(req) or max(1, self.default_max_tokens(longest))
-        self.service.check_length(longest, max_tokens)
+        self.service.check_length(longest, max_tokens, self.prompt_param)
         each_chunk = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         job = Job(f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                   prompts, req.n, each_chunk)

@@ -8,11 +8,12 @@ for chat templates, the chat template itself, context length).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
 
 from dpu_frontend.errors import StartupError
 
@@ -32,6 +33,9 @@ class Vocabulary:
     special_tokens: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
     needs_context: bool = False
+    #: At most how many characters of the input one token stands for; None when the
+    #: tokenizer may drop input characters, so that no such bound exists.
+    max_token_chars: int | None = None
 
     @classmethod
     def load(cls, path: Path) -> Vocabulary:
@@ -53,7 +57,8 @@ class Vocabulary:
         if not isinstance(max_length, int) or max_length <= 0 or max_length > 1 << 24:
             max_length = 32768  # HF writes a huge sentinel when unset
         return cls(tokenizer, tuple(eos_ids), max_length, file, special,
-                   _chat_template(config), _drops_leading_space(tokenizer))
+                   _chat_template(config), _drops_leading_space(tokenizer),
+                   max_token_chars(tokenizer))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return encode(self.tokenizer, text, add_special_tokens=add_special_tokens)
@@ -87,6 +92,120 @@ class Vocabulary:
 def encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``. ``encode_batch`` releases the GIL; ``encode`` does not."""
     return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+#: Characters tokenized at a time when a long prompt is counted before it is encoded.
+COUNT_CHUNK_CHARS = 1 << 16
+#: Tokens a cut between two chunks may add to their count over the whole text's.
+CUT_MARGIN = 8
+_CUT_WINDOW = 1024
+
+
+def count_beyond(tokenizer: Tokenizer, text: str, limit: int) -> int | None:
+    """Count the tokens of ``text`` a chunk at a time, stopping as soon as there are
+    more than ``limit``: then a lower bound of its count (itself above ``limit``),
+    else None (it may fit; encode it whole for its ids).
+
+    Each cut costs the whole text at most ``CUT_MARGIN`` tokens: a cut is made before a
+    space that follows a non-space, where byte-level pre-tokenizers (GPT-2's, Llama 3's,
+    Qwen's) always split, so that both sides tokenize as the whole does; where the
+    window has no such space (digits, CJK, one long word, a run of whitespace), the
+    piece that spans the cut tokenizes differently on either side, by a token or two.
+    """
+    counted = cuts = start = 0
+    while start < len(text):
+        end = _cut(text, start + COUNT_CHUNK_CHARS)
+        counted += len(encode(tokenizer, text[start:end], add_special_tokens=False))
+        if counted - cuts * CUT_MARGIN > limit:
+            return counted - cuts * CUT_MARGIN
+        start, cuts = end, cuts + 1
+    return None
+
+
+def _cut(text: str, at: int) -> int:
+    """Where to end a chunk near ``at`` (see ``count_beyond``)."""
+    if at >= len(text):
+        return len(text)
+    low = at - _CUT_WINDOW
+    space = text.rfind(" ", low, at)
+    while space > low and text[space - 1].isspace():
+        space = text.rfind(" ", low, space)
+    return space if space > low else at
+
+
+#: The most code points one character decomposes into (canonically: U+1F82 into 4),
+#: and the most per byte of its UTF-8 (U+01D5, 2 bytes, into 3). NFC and NFKC compose
+#: at most that many input characters into one; tests/unit/test_tokenizer_bounds.py
+#: checks both over all of Unicode.
+MAX_DECOMPOSITION = 4
+MAX_DECOMPOSITION_PER_BYTE = 1.5
+#: Pre-tokenizers and split behaviours that keep every character of the input.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
+                           "UnicodeScripts"}
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int | None:
+    """At most how many input characters one token can stand for, or None.
+
+    The longest entry of the vocabulary, in characters, is a bound only when no step
+    drops input characters: a pre-tokenizer that splits on whitespace and throws it
+    away (BERT's), an ``[UNK]`` standing for a whole unknown word, a normalizer that
+    strips or replaces text (the bound is then None). NFC/NFKC compose several
+    characters into one, so the bound is multiplied by the most they compose. Entries
+    of a byte-level vocabulary spell bytes, one character a byte; an input character
+    is one to four bytes, so their length bounds its characters too.
+    """
+    pre = _spec(tokenizer.pre_tokenizer)
+    byte_level = "ByteLevel" in json.dumps(pre)
+    model = tokenizer.model
+    if not isinstance(model, models.BPE) or not (byte_level or model.byte_fallback):
+        return None  # an unknown character may vanish, or many fuse into one [UNK]
+    if any(t.lstrip or t.rstrip for t in tokenizer.get_added_tokens_decoder().values()):
+        return None  # such a token swallows the whitespace beside it, however long
+    if not _keeps_every_character(pre):
+        return None
+    shrink = _normalizer_shrink(_spec(tokenizer.normalizer), byte_level)
+    if shrink is None:
+        return None
+    longest = max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
+    return math.ceil(longest * shrink)
+
+
+def _spec(component: Any) -> dict[str, Any] | None:
+    """A normalizer's or pre-tokenizer's JSON, as tokenizer.json writes it."""
+    return None if component is None else dict(json.loads(component.__getstate__()))
+
+
+def _keeps_every_character(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_every_character(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") in _KEEPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
+
+
+def _normalizer_shrink(norm: dict[str, Any] | None, byte_level: bool) -> float | None:
+    """By how much the normalizer can shorten the text (1: never), or None: unbounded."""
+    if norm is None:
+        return 1.0
+    kind = norm.get("type")
+    if kind == "Sequence":
+        shrink = 1.0
+        for part in norm.get("normalizers", []):
+            step = _normalizer_shrink(part, byte_level)
+            if step is None:
+                return None
+            shrink *= step
+        return shrink
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+        return 1.0  # these never shorten the text
+    if kind in ("NFC", "NFKC"):
+        return MAX_DECOMPOSITION_PER_BYTE if byte_level else MAX_DECOMPOSITION
+    if kind == "Replace":
+        pattern, content = norm.get("pattern", {}).get("String"), norm.get("content", "")
+        if isinstance(pattern, str) and pattern and content:
+            return max(1.0, len(pattern) / len(content))
+    return None  # Strip, StripAccents, Precompiled, regex replacements: they may delete
 
 
 def _read_config(path: Path) -> dict[str, Any]:

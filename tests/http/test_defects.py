@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -143,3 +144,94 @@ async def test_a_body_at_the_limit_is_served(make_frontend: Factory) -> None:
     over = await front.client.post("/v1/completions", data=body + b" ",
                                    headers={"Content-Type": "application/json"})
     assert_error(over.status, await over.json(), 413, code="request_too_large")
+
+
+# -- defect 2: a prompt that cannot fit is refused cheaply, naming its parameter ---------
+
+
+def chat_body(text: str, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 64}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5], [5] * 70]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 60, "max_tokens": 5}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 50}, "max_tokens"),  # default 16
+    ("/v1/chat/completions", chat_body("hi " * 70), "messages"),
+    ("/v1/chat/completions", chat_body("hi", max_tokens=60), "max_tokens"),
+    ("/v1/chat/completions", chat_body("hi", max_completion_tokens=60), "max_tokens"),
+])
+async def test_the_context_error_names_the_right_parameter(
+        make_frontend: Factory, path: str, body: dict[str, Any], param: str) -> None:
+    front = await make_frontend(max_model_len=64)
+    resp = await front.client.post(path, json=body)
+    assert_error(resp.status, await resp.json(), 400, param=param,
+                 code="context_length_exceeded")
+    assert "maximum context length is 64 tokens" in (await resp.json())["error"]["message"]
+    assert not front.gpu.arrivals
+
+
+@pytest.mark.parametrize(("path", "make_body", "param"), [
+    ("/v1/completions", lambda text: {"model": MODEL, "prompt": text}, "prompt"),
+    ("/v1/completions", lambda text: {"model": MODEL, "prompt": ["hi", text]}, "prompt"),
+    ("/v1/chat/completions", chat_body, "messages"),
+])
+async def test_a_prompt_of_too_many_characters_is_refused_untokenized(
+        make_frontend: Factory, monkeypatch: pytest.MonkeyPatch, path: str,
+        make_body: Any, param: str) -> None:
+    """No token of the vocabulary stands for more than max_token_chars characters."""
+    front = await make_frontend(max_model_len=64)
+    most = front.service.vocab.max_token_chars
+    assert most == 192  # Qwen3: 128 bytes, NFC composing at most 1.5 characters a byte
+    tokenized: list[int] = []
+    encode = front.service._encode
+
+    def recording(text: str, add_special_tokens: bool) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(front.service, "_encode", recording)
+    resp = await front.client.post(path, json=make_body("x" * (most * 63 + 1)))
+    body = await resp.json()
+    assert_error(resp.status, body, 400, param=param, code="context_length_exceeded")
+    assert re.search(r"your prompt is \d+ characters long", body["error"]["message"])
+    assert all(n == len("hi") for n in tokenized)  # the other prompt at most, never this one
+
+
+async def test_counting_stops_once_the_prompt_cannot_fit(
+        make_frontend: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    front = await make_frontend(max_model_len=1000)
+    service = front.service
+    assert service.vocab.max_token_chars is not None
+    text = "hello world " * 15_000  # 180,000 characters, 30,000 tokens
+    assert len(text) < service.vocab.max_token_chars * 999  # past the character bound
+    seen: list[int] = []
+    tokenizer = service._tokenizer
+
+    class Recording:
+        """The thread's tokenizer, recording the length of each text it encodes."""
+
+        def __init__(self) -> None:
+            self.real = tokenizer()
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool) -> Any:
+            seen.extend(len(t) for t in texts)
+            return self.real.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(service, "_tokenizer", Recording)
+    resp = await front.client.post("/v1/completions", json={"model": MODEL, "prompt": text})
+    body = await resp.json()
+    assert_error(resp.status, body, 400, param="prompt", code="context_length_exceeded")
+    assert "at least" in body["error"]["message"]
+    assert len(seen) == 1 and seen[0] <= 1 << 16  # one chunk, never the whole prompt
+    # A prompt that fits is counted, then tokenized whole.
+    seen.clear()
+    fits = "hello world " * 400  # 4,800 characters, 800 tokens
+    request = asyncio.create_task(front.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 1}))
+    (arrival,) = await front.gpu.wait_for(1)
+    assert list(arrival.prompt) == service.vocab.encode(fits)
+    front.gpu.finish(arrival.record.request_id, (6,))
+    assert (await request).status == 200
+    assert seen == [len(fits), len(fits)]
