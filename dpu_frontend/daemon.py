@@ -64,6 +64,7 @@ class Daemon:
         files = raise_open_files_limit()
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
         template = load_chat_template(vocab, cfg.chat_template)
+        self.pool.limit_tokens(vocab.tokenizer.get_vocab_size())
         await self.pool.start()
         self.service = Service(cfg, vocab, self.pool, template, self.metrics)
         await self.service.warm_up()

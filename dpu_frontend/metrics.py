@@ -74,6 +74,11 @@ class Metrics:
                                    ["peer", "opcode"], registry=r)
         self.reconnects = Counter(PREFIX + "peer_reconnects", "Reconnections to a GPU peer.",
                                   ["peer"], registry=r)
+        self.bad_records = Counter(
+            PREFIX + "peer_bad_records",
+            "Response records from a GPU peer that were refused, by peer and reason: "
+            "unknown_request (dropped), token_id (fails its request), protocol (fails the link).",
+            ["peer", "reason"], registry=r)
         self.running = Gauge(PREFIX + "num_requests_running",
                              "Requests whose record is in a request ring or which are generating.",
                              multiprocess_mode="livesum", registry=r)

@@ -40,6 +40,7 @@ from dpu_frontend.errors import (
     LayoutMismatch,
     Overloaded,
     PeerError,
+    ProtocolError,
     StartupError,
     TransportError,
     Unavailable,
@@ -90,6 +91,9 @@ class PeerLink:
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
         self._sessions = 0
+        # Token ids at or above this are not in the daemon's vocabulary: a record
+        # holding one fails its request (set by the pool once the tokenizer is loaded).
+        self.vocab_size: int | None = None
 
     # -- state -------------------------------------------------------------------
 
@@ -269,6 +273,11 @@ class PeerLink:
         except TransportError as exc:
             self.metrics.rdma_errors.labels(self._peer, exc.opcode).inc()
             raise
+        except ProtocolError:
+            # A stale epoch, a torn record, a sequence out of place: nothing the peer
+            # publishes can be trusted after it, so the session is reset.
+            self.metrics.bad_records.labels(self._peer, "protocol").inc()
+            raise
         except TimeoutError as exc:
             raise PeerError(f"GPU peer {self.address}: an RDMA operation did not complete "
                             f"within {cfg.peer_timeout_s} s") from exc
@@ -316,11 +325,22 @@ class PeerLink:
     def _dispatch(self, record: ResponseRecord) -> None:
         request = self._requests.get(record.request_id)
         if request is None:
+            self.metrics.bad_records.labels(self._peer, "unknown_request").inc()
             log.warning("peer %s: record for unknown request %d dropped", self.address,
                         record.request_id)
             return
         if record.final:
             self._end(request)
+        limit = self.vocab_size
+        if limit is not None and record.tokens and max(record.tokens) >= limit:
+            # Only this request is wrong: it ends with the error, the others go on.
+            self.metrics.bad_records.labels(self._peer, "token_id").inc()
+            request.fail(PeerError(f"GPU peer {self.address} sent token id "
+                                   f"{max(record.tokens)}, outside the vocabulary "
+                                   f"({limit} ids)"))
+            if not record.final:
+                self._cancel_on_gpu(request)
+            return
         if request.put(record):
             return
         # The client is a whole buffer behind: cut it off rather than buffer more.

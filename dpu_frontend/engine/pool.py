@@ -39,6 +39,11 @@ class PeerPool:
         self.draining = False
         self._turn = itertools.count()  # who wins a tie in load: each link in turn
 
+    def limit_tokens(self, vocab_size: int) -> None:
+        """Refuse records holding token ids outside the daemon's vocabulary."""
+        for link in self.links:
+            link.vocab_size = vocab_size
+
     def update_gauges(self) -> None:
         """Refresh the state gauges (at each scrape, and every second)."""
         m = self.metrics

@@ -15,6 +15,7 @@ from dpu_frontend.errors import (
     LayoutMismatch,
     Overloaded,
     PeerError,
+    ProtocolError,
     TransportError,
     Unavailable,
 )
@@ -258,3 +259,47 @@ async def test_a_queued_cancel_is_not_a_waiting_request(
     pool.update_gauges()
     assert metrics.registry.get_sample_value("dpu_frontend_num_requests_running") == 1
     assert metrics.registry.get_sample_value("dpu_frontend_num_requests_waiting") == 0
+
+
+def bad_records(metrics: Metrics, reason: str) -> float:
+    return metrics.registry.get_sample_value(
+        "dpu_frontend_peer_bad_records_total", {"peer": str(ADDRESS), "reason": reason}) or 0.0
+
+
+async def test_a_record_for_an_unknown_request_is_counted_and_dropped(
+        link: PeerLink, peer: LoopbackPeer, metrics: Metrics) -> None:
+    request = link.submit([1], PARAMS)
+    await peer.gpu.wait_for(1)
+    peer.gpu.emit(request.request_id + 1000, (5,))
+    peer.gpu.finish(request.request_id, (6,))
+    assert [r.tokens for r in await read_all(request)] == [(6,)]
+    assert bad_records(metrics, "unknown_request") == 1 and link.up
+
+
+async def test_a_token_id_outside_the_vocabulary_fails_only_its_request(
+        link: PeerLink, peer: LoopbackPeer, metrics: Metrics) -> None:
+    link.vocab_size = 100
+    bad, good = link.submit([1], PARAMS), link.submit([2], PARAMS)
+    await peer.gpu.wait_for(2)
+    peer.gpu.emit(bad.request_id, (7, 100))  # 100 is not an id of a 100-id vocabulary
+    peer.gpu.finish(good.request_id, (99,))
+    with pytest.raises(PeerError, match="token id 100, outside the vocabulary"):
+        await read_all(bad)
+    assert [r.tokens for r in await read_all(good)] == [(99,)]
+    await peer.gpu.wait_for(2, cancels=1)  # its generation is stopped too
+    assert peer.gpu.cancels == [bad.request_id]
+    assert bad_records(metrics, "token_id") == 1 and link.up
+
+
+async def test_a_record_of_another_epoch_resets_the_session(
+        link: PeerLink, peer: LoopbackPeer, metrics: Metrics) -> None:
+    request = link.submit([1], PARAMS)
+    gpu = peer.gpu
+    await gpu.wait_for(1)
+    gpu.ring.epoch += 1  # a stale writer: records of an attachment that is not this one
+    gpu.emit(request.request_id, (5,))
+    with pytest.raises(ProtocolError, match="epoch"):
+        await read_all(request)
+    assert bad_records(metrics, "protocol") == 1
+    await (await peer.wait_sessions(2)).wait_exchanges(1)  # a new session, a new epoch
+    assert link.up

@@ -75,6 +75,7 @@ async def make_frontend(aiohttp_client: AiohttpClient,
 
         metrics = Metrics()
         pool = PeerPool(config, metrics, connect)
+        pool.limit_tokens(vocab.tokenizer.get_vocab_size())  # as the daemon does
         await pool.start()
         service = Service(config, vocab, pool, load_chat_template(vocab, None), metrics)
         client = await aiohttp_client(create_app(service, MODEL, metrics))
