@@ -73,8 +73,9 @@ class ReferenceKernel(PeerKernel):
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
         for i, ch in enumerate(layout.channels):
             per_step = min(cfg.tokens_per_step or ch.tokens_per_response, ch.tokens_per_response)
-            generator = TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
-                            tokens_per_s=cfg.tokens_per_s, tokens_per_step=per_step)
+            generator = TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus,
+                                       eos_token_ids=self._eos, tokens_per_s=cfg.tokens_per_s,
+                                       tokens_per_step=per_step)
             self._channels.append(
                 _Channel(i, GpuChannel(region, ch), generator, KernelMailbox(self._mailbox, i)))
         if cfg.transport == "shm":
@@ -146,7 +147,8 @@ class ReferenceKernel(PeerKernel):
                     # yet is discarded; its final record carries no token.
                     outbox[:] = [r for r in outbox if r.request_id != record.request_id]
                     outbox.append(final)
-            elif generator.has(record.request_id) or generator.active >= ring.layout.max_sequences:
+            elif (generator.has(record.request_id)
+                  or generator.active >= ring.layout.max_sequences):
                 ring.refuse()  # a duplicate id, or a DPU that broke its sequence window
             else:
                 generator.admit(record, prompt, now)
