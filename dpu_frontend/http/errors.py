@@ -98,5 +98,9 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(body, status=status, headers=headers_for(exc))
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
+        if request.writer.output_size > 0:
+            # A response has begun (a stream): a second one would write its status
+            # line into the first one's body. aiohttp closes the connection instead.
+            raise
         status, body = body_for(exc)
         return web.json_response(body, status=status)

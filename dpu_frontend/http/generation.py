@@ -12,6 +12,7 @@ import abc
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -27,6 +28,8 @@ from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
+
+log = logging.getLogger("dpu_frontend.http")
 
 Request = TypeVar("Request", bound=SamplingFields)
 
@@ -164,12 +167,29 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                       include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        # The status line is on the wire: from here every failure but a cancellation
+        # ends the stream with an error event and [DONE]; none may reach the error
+        # boundary, which would answer it with a second status line.
         try:
-            await self._events(response, job, deltas, include_usage)
+            try:
+                await self._events(response, job, deltas, include_usage)
+            except ConnectionResetError:
+                raise
+            except (RequestError, PeerError) as exc:
+                job.error = True
+                await _send(response, body_for(exc)[1])
+            except Exception as exc:
+                job.error = True
+                log.exception("%s failed after its stream started", job.id)
+                self.service.metrics.aborted.labels("internal_error").inc()
+                await _send(response, body_for(exc)[1])
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
             job.client_gone = True  # the client closed the connection under a write
+        except Exception:
+            job.error = True  # the error event itself could not be written: give up
+            log.exception("%s: cannot end its stream", job.id)
         return response
 
     async def _events(self, response: web.StreamResponse, job: Job,
@@ -180,22 +200,17 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 return {}
             return {"usage": job.usage() if job.usage_each_chunk else None}
 
-        try:
-            for event in self.opening(job):
-                await _send(response, event | usage())
-            async for delta in deltas:
-                job.completion_tokens[delta.index] = delta.completion_tokens
-                if delta.finish_reason is not None:
-                    job.finish[delta.index] = delta.finish_reason
-                if delta.text or delta.finish_reason:
-                    # One awaited write per event: aiohttp applies backpressure here.
-                    await _send(response, self.chunk(job, delta) | usage())
-            if include_usage:
-                await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
-        except (RequestError, PeerError) as exc:
-            # The status line is gone: the error becomes an event, then the stream ends.
-            job.error = True
-            await _send(response, body_for(exc)[1])
+        for event in self.opening(job):
+            await _send(response, event | usage())
+        async for delta in deltas:
+            job.completion_tokens[delta.index] = delta.completion_tokens
+            if delta.finish_reason is not None:
+                job.finish[delta.index] = delta.finish_reason
+            if delta.text or delta.finish_reason:
+                # One awaited write per event: aiohttp applies backpressure here.
+                await _send(response, self.chunk(job, delta) | usage())
+        if include_usage:
+            await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
 
 
 async def _timed(deltas: AsyncGenerator[ChoiceDelta, None],

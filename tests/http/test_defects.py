@@ -9,8 +9,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import BaseTestServer
+from pytest_aiohttp import AiohttpClient
 
 from dpu_frontend.config import ServeConfig
+from dpu_frontend.engine.choices import ChoiceDelta
+from dpu_frontend.http.chat import ChatCompletionsHandler
+from dpu_frontend.http.completions import CompletionsHandler
+from dpu_frontend.http.errors import boundary
+from dpu_frontend.http.generation import Job
+from dpu_frontend.metrics import Metrics
+from dpu_frontend.text.tokenizer import Vocabulary
 from tests.http.conftest import MODEL, Factory, Frontend
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
@@ -64,14 +74,17 @@ async def test_deep_nesting_inside_a_valid_request_is_400(make_frontend: Factory
 # -- defect 2: a body over max_request_bytes is 413, before it is read ------------------
 
 
-async def exchange_raw(front: Frontend, head: bytes, body: bytes = b"") -> bytes:
+async def exchange_raw(server: BaseTestServer, head: bytes, body: bytes = b"", *,
+                       until_close: bool = False) -> bytes:
     """Send ``head`` (and ``body``) on a socket of its own; the whole response as it came
-    on the wire. The guard only fails a test that would otherwise hang."""
-    server = front.client.server
+    on the wire, or everything until the server closed the connection. The guard only
+    fails a test that would otherwise hang."""
     reader, writer = await asyncio.open_connection(server.host, server.port)
     try:
         writer.write(head + b"\r\n\r\n" + body)
         async with asyncio.timeout(60):
+            if until_close:
+                return await reader.read()
             raw = await reader.readuntil(b"\r\n\r\n")
             length = next((int(line.split(b":")[1]) for line in raw.split(b"\r\n")
                            if line.lower().startswith(b"content-length:")), None)
@@ -95,6 +108,7 @@ def split_response(raw: bytes) -> tuple[list[bytes], dict[str, str], bytes]:
         size_line, _, rest = rest.partition(b"\r\n")
         size = int(size_line, 16)
         if size == 0:
+            assert rest == b"\r\n", rest  # nothing after the last chunk
             return status_lines, headers, body
         body, rest = body + rest[:size], rest[size + 2:]
 
@@ -106,7 +120,7 @@ async def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(
     front = await make_frontend()
     limit = ServeConfig().max_request_bytes
     assert limit < 10_000_000  # "a 10 MB body gets 413"
-    raw = await exchange_raw(front, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+    raw = await exchange_raw(front.client.server, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
                                     f"Content-Type: application/json\r\n"
                                     f"Content-Length: 10000000".encode())
     status_lines, headers, body = split_response(raw)
@@ -235,3 +249,95 @@ async def test_counting_stops_once_the_prompt_cannot_fit(
     front.gpu.finish(arrival.record.request_id, (6,))
     assert (await request).status == 200
     assert seen == [len(fits), len(fits)]
+
+
+# -- defect 3: a failure after the stream started ends it with an error event -----------
+
+
+async def post_on_the_wire(front: Frontend, path: str, body: dict[str, Any]) -> bytes:
+    """Everything the server writes until it closes the connection."""
+    data = json.dumps(body).encode()
+    return await exchange_raw(front.client.server, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+                                     f"Connection: close\r\nContent-Type: application/json\r\n"
+                                     f"Content-Length: {len(data)}".encode(), data,
+                              until_close=True)
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """Each ``data:`` payload: parsed JSON, or the string ``[DONE]``."""
+    events: list[Any] = []
+    for block in body.decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: "), body
+            payload = block.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+@pytest.mark.parametrize("path", GENERATION)
+async def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(
+        make_frontend: Factory, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, path: str) -> None:
+    front = await make_frontend()
+    handler = CompletionsHandler if path == "/v1/completions" else ChatCompletionsHandler
+    chunk = handler.chunk
+    calls = 0
+
+    def failing_chunk(self: Any, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("a bug in building the second chunk")
+        return chunk(self, job, delta)
+
+    monkeypatch.setattr(handler, "chunk", failing_chunk)
+    body = {"model": MODEL, "max_tokens": 100, "stream": True} | (
+        {"prompt": "Hi"} if path == "/v1/completions" else
+        {"messages": [{"role": "user", "content": "Hi"}]})
+    wire = asyncio.create_task(post_on_the_wire(front, path, body))
+    (arrival,) = await front.gpu.wait_for(1)
+    request_id = arrival.record.request_id
+    front.gpu.emit(request_id, tuple(vocab.encode(" Hello", add_special_tokens=False)))
+    front.gpu.emit(request_id, tuple(vocab.encode(" world", add_special_tokens=False)))
+    status_lines, headers, raw_body = split_response(await wire)
+    assert status_lines == [b"HTTP/1.1 200 OK"]  # and no second one inside the body
+    assert headers["Content-Type"] == "text/event-stream"
+    events = sse_events(raw_body)
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "internal server error", "type": "internal_error",
+                                    "param": None, "code": 500}}
+    texts = [e["choices"][0].get("text", e["choices"][0].get("delta", {}).get("content"))
+             for e in events[:-2]]
+    assert texts[-1] == " Hello" and len(texts) == (1 if path == "/v1/completions" else 2)
+    # Logged with its traceback, counted, and the generation cancelled on the GPU.
+    (logged,) = [r for r in caplog.records if r.exc_info is not None]
+    assert logged.name == "dpu_frontend.http" and "after its stream started" in logged.message
+    assert "a bug in building the second chunk" in str(logged.exc_info[1] if logged.exc_info
+                                                       else None)
+    assert front.aborted("internal_error") == 1
+    assert front.metrics.registry.get_sample_value(
+        "dpu_frontend_requests_total",
+        {"endpoint": path, "status": "200", "finish_reason": "error"}) == 1
+    await front.gpu.wait_for(1, cancels=1)
+    assert front.gpu.cancels == [request_id]
+
+
+async def test_the_boundary_never_answers_a_started_response_twice(
+        aiohttp_client: AiohttpClient) -> None:
+    """Should a failure escape a handler after its response began, the boundary lets
+    aiohttp close the connection rather than write a 500 into the body."""
+
+    async def broken(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        raise RuntimeError("escaped after prepare")
+
+    app = web.Application(middlewares=[boundary(Metrics())])
+    app.router.add_post("/broken", broken)
+    client = await aiohttp_client(app)
+    raw = await exchange_raw(client.server, b"POST /broken HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: close\r\nContent-Length: 0",
+                             until_close=True)
+    assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and raw.count(b"HTTP/1.") == 1
+    assert raw.endswith(b"data: first\n\n\r\n")  # cut off: no [DONE] could be written
