@@ -158,7 +158,12 @@ class Service:
                options: TextOptions = TextOptions()) -> Generation:
         """Queue the request for a GPU peer now: admission errors (429, 503) raise here,
         before any response byte is written."""
-        return Generation(self.vocab, self.pool.submit(prompt, params), prompt, options)
+        # Everything that can fail comes first: once submitted, the GPU generates up to
+        # max_tokens whether or not anyone holds the request to read or cancel it.
+        detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
+                                       skip_special_tokens=options.skip_special_tokens)
+        stops = StopMatcher(options.stop, include=options.include_stop)
+        return Generation(self.pool.submit(prompt, params), detok, stops)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -167,12 +172,11 @@ class Service:
 class Generation:
     """One submitted sequence, turned into text deltas as its records arrive."""
 
-    def __init__(self, vocab: Vocabulary, request: RingRequest, prompt: list[int],
-                 options: TextOptions) -> None:
-        self.request = request
-        self._detok = IncrementalDetokenizer(vocab, context=vocab.context(prompt),
-                                             skip_special_tokens=options.skip_special_tokens)
-        self._stops = StopMatcher(options.stop, include=options.include_stop)
+    def __init__(self, request: RingRequest, detok: IncrementalDetokenizer,
+                 stops: StopMatcher) -> None:
+        self.request = request  # nothing here may fail: the request is on its way
+        self._detok = detok
+        self._stops = stops
 
     def cancel(self) -> None:
         self.request.cancel()  # a no-op once the final record was read

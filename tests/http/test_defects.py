@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
 from pytest_aiohttp import AiohttpClient
 
+import dpu_frontend.engine.service as service_module
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.choices import ChoiceDelta
 from dpu_frontend.http.chat import ChatCompletionsHandler
@@ -20,6 +21,8 @@ from dpu_frontend.http.completions import CompletionsHandler
 from dpu_frontend.http.errors import boundary
 from dpu_frontend.http.generation import Job
 from dpu_frontend.metrics import Metrics
+from dpu_frontend.ring import FinishReason
+from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.http.conftest import MODEL, Factory, Frontend
 
@@ -341,3 +344,35 @@ async def test_the_boundary_never_answers_a_started_response_twice(
                              until_close=True)
     assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and raw.count(b"HTTP/1.") == 1
     assert raw.endswith(b"data: first\n\n\r\n")  # cut off: no [DONE] could be written
+
+
+# -- defect 4: nothing reaches the GPU for a request that failed to be built ------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_generation_that_fails_to_be_built_leaves_nothing_on_the_gpu(
+        make_frontend: Factory, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The last choice's stop matcher fails: the others were submitted and are cancelled,
+    and the failing one was never submitted."""
+    front = await make_frontend()
+    built = 0
+
+    def stop_matcher(*args: Any, **kwargs: Any) -> StopMatcher:
+        nonlocal built
+        built += 1
+        if built == n:
+            raise RuntimeError("cannot build the stop matcher")
+        return StopMatcher(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "StopMatcher", stop_matcher)
+    resp = await front.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5, 6], "max_tokens": 1000, "n": n, "stop": ["x"]})
+    assert_error(resp.status, await resp.json(), 500, type_="internal_error", code=500)
+    await front.gpu.wait_exchanges(2)  # what was queued has reached the GPU by now
+    arrivals = front.gpu.arrivals
+    assert len(arrivals) <= n - 1
+    assert all(arrival.cancelled for arrival in arrivals.values())
+    for request_id in arrivals:
+        front.gpu.finish(request_id, finish=FinishReason.CANCELLED)
+    await front.service.pool.wait_idle()
+    assert front.service.pool.in_flight == 0
