@@ -51,7 +51,8 @@ def build(model_name: str) -> dict[str, Any]:
     generation = {"200": {"description": "the completion; `text/event-stream` of chunks "
                                          "ending with `data: [DONE]` when `stream` is true",
                           "content": {"application/json": {}, "text/event-stream": {}}},
-                  **_errors(400, 404, 503)}
+                  # 413: over max_request_bytes; 429: the queue in front of the rings is full.
+                  **_errors(400, 404, 413, 429, 503)}
 
     def post(summary: str, body: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
         return {"post": {"summary": summary, "requestBody": {"required": True} | _json(body),
@@ -72,9 +73,9 @@ def build(model_name: str) -> dict[str, Any]:
                               {"oneOf": [_ref(TokenizeCompletionRequest),
                                          _ref(TokenizeChatRequest)]},
                               {"200": {"description": "count, max_model_len, tokens"},
-                               **_errors(400, 404)}),
+                               **_errors(400, 404, 413)}),
             "/detokenize": post("Detokenize token ids", _ref(DetokenizeRequest),
-                                {"200": {"description": "prompt"}, **_errors(400, 404)}),
+                                {"200": {"description": "prompt"}, **_errors(400, 404, 413)}),
             "/v1/models": get("The served model"),
             "/health": get("200 while a GPU peer is up; 503 when none is, or while draining"),
             "/version": get("The daemon's version"),

@@ -376,3 +376,20 @@ async def test_a_generation_that_fails_to_be_built_leaves_nothing_on_the_gpu(
         front.gpu.finish(request_id, finish=FinishReason.CANCELLED)
     await front.service.pool.wait_idle()
     assert front.service.pool.in_flight == 0
+
+
+# -- defect 5: the smaller ones ---------------------------------------------------------
+
+
+async def test_openapi_lists_every_status_a_body_route_answers(make_frontend: Factory) -> None:
+    front = await make_frontend()
+    spec = await (await front.client.get("/openapi.json")).json()
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, statuses in [("/v1/completions", {"400", "404", "413", "429", "503"}),
+                           ("/v1/chat/completions", {"400", "404", "413", "429", "503"}),
+                           ("/tokenize", {"400", "404", "413"}),
+                           ("/detokenize", {"400", "404", "413"})]:
+        responses = spec["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200"} | statuses, path
+        for status in statuses:
+            assert responses[status]["content"]["application/json"]["schema"] == error
