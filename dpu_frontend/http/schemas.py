@@ -79,7 +79,7 @@ class SamplingFields(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # OpenAI's int64, or a u64
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
@@ -100,6 +100,13 @@ class SamplingFields(_Strict):
         if len(stops) > MAX_STOP_STRINGS or not all(stops):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         return stop
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_as_u64(cls, seed: int | None) -> int | None:
+        """The ring carries a u64: a negative seed is its two's complement (-1 is
+        2**64 - 1), mapped here, once, so that every layer below sees a u64."""
+        return None if seed is None else seed % 2**64
 
     @field_validator("stream_options")
     @classmethod

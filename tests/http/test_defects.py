@@ -393,3 +393,17 @@ async def test_openapi_lists_every_status_a_body_route_answers(make_frontend: Fa
         assert set(responses) == {"200"} | statuses, path
         for status in statuses:
             assert responses[status]["content"]["application/json"]["schema"] == error
+
+
+async def test_a_negative_seed_reaches_the_gpu_as_a_u64(make_frontend: Factory) -> None:
+    front = await make_frontend()
+    request = asyncio.create_task(front.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5], "max_tokens": 1, "n": 2, "seed": -1}))
+    arrivals = await front.gpu.wait_for(2)
+    # Two's complement, and the second choice's seed + 1 wraps to 0.
+    assert [a.record.params.seed for a in arrivals] == [2**64 - 1, 0]
+    for arrival in arrivals:
+        front.gpu.finish(arrival.record.request_id, (6,), FinishReason.LENGTH)
+    resp = await request
+    assert resp.status == 200
+    assert [c["finish_reason"] for c in (await resp.json())["choices"]] == ["length", "length"]

@@ -32,7 +32,9 @@ def chat(**fields: Any) -> ChatCompletionRequest:
     ({"frobnicate": 1}, "frobnicate"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"stop": ["s"] * 17}, "stop"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),  # below int64
+    ({"seed": 2**64}, "seed"),  # above u64
+    ({"seed": 1.0}, "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_refusals_name_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -90,3 +92,12 @@ def test_surrogate_pairs_and_a_byte_order_mark_are_fine() -> None:
     assert completion(prompt="\U0001F600").prompt == "\U0001F600"  # json.dumps: "\ud83d\ude00"
     body = b'\xef\xbb\xbf{"model": "m", "prompt": "\\ud83d\\ude00"}'
     assert parse(CompletionRequest, body).prompt == "\U0001F600"
+
+
+@pytest.mark.parametrize(("seed", "u64"), [
+    (-1, 2**64 - 1), (-(2**63), 2**63), (0, 0), (2**63 - 1, 2**63 - 1), (2**64 - 1, 2**64 - 1),
+])
+def test_any_int64_seed_is_accepted_as_its_u64(seed: int, u64: int) -> None:
+    """OpenAI takes any int64 seed (issue 10, defect 5); the ring carries a u64."""
+    assert completion(seed=seed).seed == u64
+    assert chat(seed=seed).seed == u64
