@@ -23,6 +23,7 @@ from pydantic import (
 
 from dpu_frontend.errors import ModelNotFound, RequestError
 from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
+from dpu_frontend.text.chat_template import reserved_kwarg
 
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
 MAX_STOP_STRINGS = 16
@@ -151,6 +152,12 @@ class ChatMessage(BaseModel):
         return message
 
 
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if (key := reserved_kwarg(kwargs)) is not None:
+        raise ValueError(f"may not set '{key}': the chat template gets it from the request")
+    return kwargs
+
+
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -159,6 +166,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    _check_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -188,6 +197,8 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    _check_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
 
 class DetokenizeRequest(_Strict):

@@ -23,6 +23,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from dpu_frontend.errors import RequestError, StartupError
 from dpu_frontend.text.tokenizer import Vocabulary
 
+#: What ``render`` passes the template itself, from the request: ``chat_template_kwargs``
+#: may not name them (HF's ``apply_chat_template`` passes the same four).
+RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def reserved_kwarg(kwargs: dict[str, Any] | None) -> str | None:
+    """The first key of ``kwargs`` that ``render`` passes itself, if any."""
+    return next((key for key in RENDER_ARGUMENTS if key in (kwargs or {})), None)
+
 
 class TemplateRaised(RequestError):
     """The template refused the conversation (``raise_exception``) or failed on it."""
@@ -71,6 +80,9 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False,
                kwargs: dict[str, Any] | None = None) -> str:
+        if (key := reserved_kwarg(kwargs)) is not None:
+            raise RequestError(f"chat_template_kwargs may not set '{key}': the template gets "
+                               "it from the request", param="chat_template_kwargs")
         context = {**self.special_tokens, **(kwargs or {})}
         try:
             rendered = self._template.render(messages=messages, tools=None, documents=None,

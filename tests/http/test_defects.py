@@ -407,3 +407,15 @@ async def test_a_negative_seed_reaches_the_gpu_as_a_u64(make_frontend: Factory) 
     resp = await request
     assert resp.status == 200
     assert [c["finish_reason"] for c in (await resp.json())["choices"]] == ["length", "length"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+async def test_template_kwargs_naming_a_render_argument_get_400(
+        make_frontend: Factory, path: str) -> None:
+    front = await make_frontend()
+    resp = await front.client.post(path, json=chat_body(
+        "hi", chat_template_kwargs={"add_generation_prompt": False}))
+    body = await resp.json()
+    assert_error(resp.status, body, 400, param="chat_template_kwargs")
+    assert "'add_generation_prompt'" in body["error"]["message"]
+    assert not front.gpu.arrivals

@@ -109,3 +109,12 @@ def test_a_deeply_nested_value_is_a_request_error() -> None:
     with pytest.raises(RequestError) as info:
         template.render([{"role": "user", "content": "x", "extra": deep}])
     assert info.value.code == "chat_template_error" and info.value.status == 400
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "documents", "add_generation_prompt"])
+def test_kwargs_that_name_a_render_argument_are_refused(key: str) -> None:
+    template = ChatTemplate("{{ messages[0]['content'] }}{{ extra }}", {}, "inline")
+    assert template.render([{"role": "user", "content": "x"}], kwargs={"extra": "!"}) == "x!"
+    with pytest.raises(RequestError) as info:
+        template.render([{"role": "user", "content": "x"}], kwargs={key: None})
+    assert info.value.param == "chat_template_kwargs" and f"'{key}'" in info.value.message

@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from dpu_frontend.errors import RequestError
-from dpu_frontend.http.schemas import ChatCompletionRequest, CompletionRequest, parse
+from dpu_frontend.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    parse,
+)
 
 
 def completion(**fields: Any) -> CompletionRequest:
@@ -101,3 +106,16 @@ def test_any_int64_seed_is_accepted_as_its_u64(seed: int, u64: int) -> None:
     """OpenAI takes any int64 seed (issue 10, defect 5); the ring carries a u64."""
     assert completion(seed=seed).seed == u64
     assert chat(seed=seed).seed == u64
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "documents", "add_generation_prompt"])
+@pytest.mark.parametrize("model", [ChatCompletionRequest, TokenizeChatRequest])
+def test_template_kwargs_may_not_name_a_render_argument(key: str, model: type[Any]) -> None:
+    """They would collide with what render passes itself (issue 10, defect 5)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"enable_thinking": False, key: []}}
+    with pytest.raises(RequestError) as info:
+        parse(model, json.dumps(body).encode())
+    assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+    assert f"may not set '{key}'" in info.value.message
+    assert chat(chat_template_kwargs={"enable_thinking": False, "bos_token": "<s>"})
