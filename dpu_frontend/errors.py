@@ -62,10 +62,20 @@ class Overloaded(RequestError):
 
 class ClientTooSlow(RequestError):
     """A streaming client fell so far behind that its buffer is full; the request is
-    cancelled on the GPU side rather than buffered without bound."""
+    cancelled on the GPU side rather than buffered without bound.
 
-    status = 408
+    A stream's status line went out long before: there this is an error event, and
+    its status is never sent. A non-streamed answer has no client reading it, only
+    the daemon: if its buffer overflows, the daemon fell behind (its event loop
+    starved for a whole buffer of records, or ``stream_buffer_records`` below what
+    one poll returns), a transient overload of the server: 503 with Retry-After.
+    Not 408 (the server timed out waiting for the request), nor 429 (the client's
+    rate) or any 4xx: that client did nothing wrong.
+    """
+
+    status = 503
     type = "client_too_slow"
+    retry_after = 1
 
 
 class PeerError(DpuFrontendError):

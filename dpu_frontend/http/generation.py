@@ -23,7 +23,7 @@ from aiohttp import web
 
 from dpu_frontend.engine.choices import ChoiceDelta, start_choices
 from dpu_frontend.engine.service import Service, TextOptions
-from dpu_frontend.errors import PeerError, RequestError
+from dpu_frontend.errors import ClientTooSlow, PeerError, RequestError
 from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
@@ -153,11 +153,16 @@ class GenerationHandler(abc.ABC, Generic[Request]):
     async def _collect(self, job: Job, deltas: AsyncIterator[ChoiceDelta]) -> web.Response:
         texts: dict[int, list[str]] = {}
         finish = job.finish
-        async for delta in deltas:
-            texts.setdefault(delta.index, []).append(delta.text)
-            job.completion_tokens[delta.index] = delta.completion_tokens
-            if delta.finish_reason is not None:
-                finish[delta.index] = delta.finish_reason
+        try:
+            async for delta in deltas:
+                texts.setdefault(delta.index, []).append(delta.text)
+                job.completion_tokens[delta.index] = delta.completion_tokens
+                if delta.finish_reason is not None:
+                    finish[delta.index] = delta.finish_reason
+        except ClientTooSlow as exc:
+            raise ClientTooSlow("the daemon fell behind this request's output (a whole "
+                                "buffer of records) and cancelled it; try again",
+                                code=exc.code) from exc
         if len(finish) != len(job.prompts) * job.n:
             raise PeerError("GPU peer ended a sequence without a final record")
         body = self.answer(job, {i: "".join(t) for i, t in texts.items()}, finish)

@@ -24,7 +24,7 @@ from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.http.conftest import MODEL, Factory, Frontend
+from tests.http.conftest import MODEL, Factory, Frontend, events
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
 BODY_ROUTES = [*GENERATION, "/tokenize", "/detokenize"]
@@ -419,3 +419,37 @@ async def test_template_kwargs_naming_a_render_argument_get_400(
     assert_error(resp.status, body, 400, param="chat_template_kwargs")
     assert "'add_generation_prompt'" in body["error"]["message"]
     assert not front.gpu.arrivals
+
+
+async def test_an_unstreamed_answer_that_overflows_its_buffer_is_a_503(
+        make_frontend: Factory, vocab: Vocabulary) -> None:
+    """Nobody but the daemon reads a non-streamed answer: if a whole buffer of records
+    piles up (here one poll returns three, over a buffer of one), the daemon fell behind,
+    a transient overload of the server: 503 with Retry-After, never a 408."""
+    front = await make_frontend(stream_buffer_records=1)
+    request = asyncio.create_task(front.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5], "max_tokens": 100}))
+    (arrival,) = await front.gpu.wait_for(1)
+    for word in (" one", " two", " three"):
+        front.gpu.emit(arrival.record.request_id, tuple(vocab.encode(word)))
+    resp = await request
+    assert resp.headers["Retry-After"] == "1"
+    body = await resp.json()
+    assert_error(resp.status, body, 503, type_="client_too_slow", code="stream_buffer_overflow")
+    assert "the daemon fell behind" in body["error"]["message"]
+    await front.gpu.wait_for(1, cancels=1)
+    assert front.aborted("client_too_slow") == 1
+
+
+async def test_a_stream_that_overflows_its_buffer_ends_with_an_error_event(
+        make_frontend: Factory, vocab: Vocabulary) -> None:
+    front = await make_frontend(stream_buffer_records=1)
+    resp = await front.client.post("/v1/completions", json={
+        "model": MODEL, "prompt": [5], "max_tokens": 100, "stream": True})
+    assert resp.status == 200
+    (arrival,) = await front.gpu.wait_for(1)
+    for word in (" one", " two", " three"):
+        front.gpu.emit(arrival.record.request_id, tuple(vocab.encode(word)))
+    error = (await events(resp))[-1]["error"]
+    assert error["type"] == "client_too_slow" and error["code"] == "stream_buffer_overflow"
+    assert "client read too slowly" in error["message"]
