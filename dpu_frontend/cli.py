@@ -175,6 +175,10 @@ def _peer_settings(parser: argparse.ArgumentParser, geometry: Geometry) -> None:
         help="replay a corpus, or echo the prompt (default %(default)s)")
     add("--tokens-per-step", type=int, default=defaults.tokens_per_step,
         help="tokens per sequence per engine step, 0: a full record (default %(default)s)")
+    add("--secret-file", type=Path, default=defaults.secret_file,
+        help="the secret shared with the daemons (their peer_secret_file): a hello that "
+             "does not prove it gets no channel, no rkey and no QP; mode 600 "
+             "(default: none, any client on the control port is served)")
 
 
 def _rdma(args: argparse.Namespace) -> RdmaConfig:
@@ -200,7 +204,7 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
                           max_prompt_tokens=args.max_prompt_tokens),
         mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", defaults.tokens_per_s),
         tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick_s", defaults.tick_s),
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer, secret_file=args.secret_file,
     )
 
 

@@ -172,6 +172,10 @@ class ServeConfig:
         "threads tokenizing prompts off the event loop"))
     # Worker processes sharing the HTTP port (SO_REUSEPORT), each with its own
     # channel and QP to every peer (the peers need as many channels).
+    peer_secret_file: Path | None = field(default=None, metadata=about(
+        "file holding the secret shared with the GPU peers' control planes (mutual "
+        "HMAC-SHA256 challenge-response; mode 600; re-read at each handshake, so replacing "
+        "it rotates the secret)", none="no authentication: a peer must not require it"))
     workers: int = field(default=1, metadata=about(
         "worker processes sharing the HTTP port, each with its own channel to every peer"))
     worker_index: int | None = field(default=None, metadata=about(
@@ -227,6 +231,9 @@ class PeerConfig:
     tokens_per_step: int = 0  # tokens per sequence per engine step; 0: a full record
     tick_s: float = 0.001
     tokenizer: Path | None = None
+    # The secret shared with the daemons: a hello that does not prove it gets no
+    # channel, no region address, no rkey and no QP (control/auth.py).
+    secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, TRANSPORTS)

@@ -10,7 +10,8 @@ from typing import Any
 
 import msgpack
 
-from dpu_frontend.errors import LayoutMismatch, PeerError
+from dpu_frontend.control.auth import NONCE_BYTES, PROOF_BYTES
+from dpu_frontend.errors import LayoutMismatch, PeerError, StartupError
 from dpu_frontend.ring.layout import VERSION_MAJOR, version_refusal
 
 MAX_FRAME = 64 * 1024
@@ -49,10 +50,14 @@ class Hello:
     qp: dict[str, Any] | None = None
     protocol: int = VERSION_MAJOR
     client: str = ""
+    nonce: bytes | None = None  # the daemon's challenge to the peer (control/auth.py)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": "hello", "protocol": self.protocol, "channel": self.channel,
-                "transport": self.transport, "qp": self.qp, "client": self.client}
+        message = {"op": "hello", "protocol": self.protocol, "channel": self.channel,
+                   "transport": self.transport, "qp": self.qp, "client": self.client}
+        if self.nonce is not None:
+            message["nonce"] = self.nonce
+        return message
 
     @classmethod
     def from_dict(cls, m: dict[str, Any]) -> Hello:
@@ -64,8 +69,47 @@ class Hello:
         if transport not in ("verbs", "shm"):
             raise PeerError(f"hello: unknown transport {transport!r}")
         qp = m.get("qp")
+        nonce = m.get("nonce")
+        if nonce is not None and not (isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES):
+            raise PeerError(f"hello: the nonce must be {NONCE_BYTES} bytes")
         return cls(transport, channel, qp if isinstance(qp, dict) else None, protocol,
-                   str(m.get("client", "")))
+                   str(m.get("client", "")), nonce)
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """Peer -> daemon, when the peer has a secret: its nonce and its proof."""
+
+    nonce: bytes
+    proof: bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": "challenge", "nonce": self.nonce, "proof": self.proof}
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> Challenge:
+        nonce, proof = m.get("nonce"), m.get("proof")
+        if not (isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES
+                and isinstance(proof, bytes) and len(proof) == PROOF_BYTES):
+            raise PeerError("malformed challenge")
+        return cls(nonce, proof)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Daemon -> peer: the daemon's proof, answering the challenge."""
+
+    proof: bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": "auth", "proof": self.proof}
+
+    @classmethod
+    def from_dict(cls, m: dict[str, Any]) -> Auth:
+        proof = m.get("proof")
+        if m.get("op") != "auth" or not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES):
+            raise PeerError(f"expected auth, got {m.get('op')!r}")
+        return cls(proof)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +138,9 @@ class Welcome:
             if older is not None or m.get("code") == "version":
                 raise LayoutMismatch(version_refusal(int(older.group(1)) if older else
                                                      m.get("protocol")))
+            if m.get("code") == "auth":
+                # A configuration that cannot work: the secrets differ, or only the peer has one.
+                raise StartupError(f"the GPU peer refused to authenticate us: {message}")
             raise PeerError(f"peer refused the channel: {message}")
         if m.get("op") != "welcome":
             raise PeerError(f"expected welcome, got {m.get('op')!r}")
@@ -110,9 +157,12 @@ class Welcome:
         return welcome
 
 
-def refuse(message: str, *, version: bool = False) -> dict[str, Any]:
-    """A refusal; ``version`` marks a protocol mismatch (the daemon then exits)."""
+def refuse(message: str, *, version: bool = False, auth: bool = False) -> dict[str, Any]:
+    """A refusal; ``version`` marks a protocol mismatch, ``auth`` a failed authentication
+    (the daemon then exits)."""
     answer: dict[str, Any] = {"op": "refuse", "message": message}
     if version:
         answer |= {"code": "version", "protocol": VERSION_MAJOR}
+    if auth:
+        answer |= {"code": "auth"}
     return answer

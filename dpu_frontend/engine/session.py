@@ -16,12 +16,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerAddress, ServeConfig
-from dpu_frontend.control import messages
-from dpu_frontend.errors import LayoutMismatch, PeerError
+from dpu_frontend.control import auth, messages
+from dpu_frontend.errors import LayoutMismatch, PeerError, StartupError
 from dpu_frontend.ring import DpuChannel, Layout, ReadOp
 from dpu_frontend.ring.layout import (
     CTRL_SIZE,
@@ -105,14 +105,22 @@ class PeerSession:
         return session
 
     async def _handshake(self, cfg: ServeConfig) -> None:
+        # Re-read at each handshake: replacing the file rotates the secret.
+        secret = auth.load_secret(cfg.peer_secret_file) if cfg.peer_secret_file else None
+        nonce = auth.nonce() if secret is not None else None
         hello = messages.Hello(cfg.transport, cfg.channel, self.transport.offer(),
-                               client=f"dpu-frontend {__version__}")
+                               client=f"dpu-frontend {__version__}", nonce=nonce)
         try:
             await messages.send(self._require_writer(), hello.to_dict())
-            welcome = messages.Welcome.from_dict(
-                await asyncio.wait_for(messages.receive(self._reader), cfg.connect_timeout_s))
+            answer = await self._receive(cfg)
+            if answer.get("op") == "challenge":
+                answer = await self._answer_challenge(cfg, secret, nonce, answer)
+            elif secret is not None and answer.get("op") == "welcome":
+                raise StartupError(f"GPU peer {self.address} did not prove the shared secret "
+                                   "(peer_secret_file is set here, not on the peer?)")
         except (OSError, TimeoutError) as exc:
             raise PeerError(f"handshake with GPU peer {self.address} failed: {exc}") from exc
+        welcome = messages.Welcome.from_dict(answer)
         self.transport.attach(welcome.region, welcome.region_size, welcome.qp)
         self.layout = await self._read_layout(welcome)
         channel_layout = self.layout.channels[welcome.channel]
@@ -122,6 +130,23 @@ class PeerSession:
         log.info("connected to peer %s channel %d epoch %d over %s (instance %x, protocol v%d.%d)",
                  self.address, welcome.channel, welcome.epoch, cfg.transport,
                  self.layout.instance, self.layout.version_major, self.layout.version_minor)
+
+    async def _receive(self, cfg: ServeConfig) -> dict[str, Any]:
+        return await asyncio.wait_for(messages.receive(self._reader), cfg.connect_timeout_s)
+
+    async def _answer_challenge(self, cfg: ServeConfig, secret: bytes | None,
+                                nonce: bytes | None, message: dict[str, Any]) -> dict[str, Any]:
+        """Check the peer's proof, give ours; the peer's next message is the welcome."""
+        if secret is None or nonce is None:
+            raise StartupError(f"GPU peer {self.address} requires authentication: set "
+                               "peer_secret_file to the secret it shares")
+        challenge = messages.Challenge.from_dict(message)
+        if not auth.verify(secret, "peer", nonce, challenge.nonce, challenge.proof):
+            raise StartupError(f"GPU peer {self.address} failed to prove the shared secret: "
+                               "the secrets differ, or it is not our peer")
+        await messages.send(self._require_writer(), messages.Auth(
+            auth.proof(secret, "daemon", nonce, challenge.nonce)).to_dict())
+        return await self._receive(cfg)
 
     def _require_writer(self) -> asyncio.StreamWriter:
         if self._writer is None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerConfig
-from dpu_frontend.control import messages
+from dpu_frontend.control import auth, messages
 from dpu_frontend.errors import DpuFrontendError, LayoutMismatch, PeerError
 from dpu_frontend.lifecycle import PEER_READY, announce_ready, stop_on_signals
 from dpu_frontend.peer.generator import default_corpus
@@ -51,6 +51,8 @@ log = logging.getLogger("dpu_frontend.peer")
 #: How long a mailbox command may wait for the kernel's acknowledgement. A
 #: kernel runs commands between two steps, so this bounds the longest step.
 MAILBOX_TIMEOUT_S = 10.0
+#: How long a daemon has to answer the challenge.
+AUTH_TIMEOUT_S = 10.0
 MAILBOX_POLL_S = 0.0002
 #: shm has no QP to destroy: after a session's control connection closes, the
 #: channel waits this long before it can be attached again, so that a poll the
@@ -96,6 +98,8 @@ class PeerServer:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.secret_file is not None:
+            auth.load_secret(cfg.secret_file)  # a missing or open secret stops us here
         self.layout = cfg.geometry.plan(instance=secrets.randbits(63) | 1)
         self._region = self.kernel.open(self.layout)
         if cfg.transport == "verbs":
@@ -130,6 +134,8 @@ class PeerServer:
                 await messages.send(writer, {"op": "stats", "channels": self.stats()})
                 return
             hello = messages.Hello.from_dict(first)
+            if not await self._authenticate(hello, reader, writer):
+                return
             channel = self._grant(hello, session)
             welcome = await self._attach(channel, hello)
             await messages.send(writer, welcome.to_dict())
@@ -149,6 +155,9 @@ class PeerServer:
                 await messages.send(writer, messages.refuse(str(exc)))
         except ConnectionError:
             pass
+        except TimeoutError:
+            log.warning("control session from %s: no answer to the challenge in %.0f s",
+                        writer.get_extra_info("peername"), AUTH_TIMEOUT_S)
         finally:
             writer.close()  # first: the daemon stops using the channel at EOF
             try:
@@ -159,6 +168,32 @@ class PeerServer:
             finally:
                 if task is not None:
                     self._sessions.discard(task)
+
+    async def _authenticate(self, hello: messages.Hello, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> bool:
+        """With a secret configured: the challenge-response of control/auth.py, before
+        anything is granted. False (the hello refused, code ``auth``) unless the daemon
+        proved the secret."""
+        path = self.config.secret_file
+        if path is None:
+            return True
+        secret = auth.load_secret(path)  # re-read: replacing the file rotates the secret
+        who = writer.get_extra_info("peername")
+        if hello.nonce is None:
+            log.warning("control session from %s refused: no authentication", who)
+            await messages.send(writer, messages.refuse(
+                "this peer requires authentication: set peer_secret_file", auth=True))
+            return False
+        peer_nonce = auth.nonce()
+        await messages.send(writer, messages.Challenge(
+            peer_nonce, auth.proof(secret, "peer", hello.nonce, peer_nonce)).to_dict())
+        answer = messages.Auth.from_dict(
+            await asyncio.wait_for(messages.receive(reader), AUTH_TIMEOUT_S))
+        if not auth.verify(secret, "daemon", hello.nonce, peer_nonce, answer.proof):
+            log.warning("control session from %s refused: wrong secret", who)
+            await messages.send(writer, messages.refuse("authentication failed", auth=True))
+            return False
+        return True
 
     def _grant(self, hello: messages.Hello, session: object) -> _Channel:
         if hello.protocol != self.layout_version:
