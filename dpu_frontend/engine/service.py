@@ -28,7 +28,7 @@ from dpu_frontend.ring import FinishReason, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
 from dpu_frontend.text.stop import StopMatcher
-from dpu_frontend.text.tokenizer import Vocabulary, count_beyond, encode
+from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary, count_beyond, encode
 
 log = logging.getLogger("dpu_frontend.engine")
 
@@ -128,13 +128,15 @@ class Service:
                                               add_special_tokens, param)
 
     def _encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        # What one prompt may cost a tokenizer thread: one longer than max_model_len
-        # characters is counted a chunk at a time first, so that a prompt too long
-        # for the context is refused after tokenizing about max_model_len tokens and
-        # one chunk (a 20 MB prompt was tokenized whole, 2.5M tokens in 19 s); one
-        # that fits is tokenized twice. Characters that make few tokens each (a run
-        # of spaces) are bounded by max_request_bytes only.
-        if len(text) > self.max_model_len:
+        # What one prompt may cost a tokenizer thread. One longer than max_model_len
+        # characters and one chunk is counted a chunk at a time first, so that a
+        # prompt too long for the context is refused after tokenizing about
+        # max_model_len tokens and a chunk (a 20 MB prompt was tokenized whole, in
+        # 14 to 58 s); one whose first chunk projects to at most twice the context
+        # is tokenized whole after that chunk. Text that makes few tokens a character
+        # (a run of spaces: 4 MiB of it is 32K tokens and takes seconds) or whose
+        # density changes (spaces, then digits) is bounded by max_request_bytes only.
+        if len(text) > max(self.max_model_len, COUNT_CHUNK_CHARS):
             counted = count_beyond(self._tokenizer(), text, self.max_model_len - 1)
             if counted is not None:
                 raise self._too_long(f"your prompt has at least {counted} tokens", param)

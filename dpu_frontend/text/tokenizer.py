@@ -103,8 +103,11 @@ _CUT_WINDOW = 1024
 
 def count_beyond(tokenizer: Tokenizer, text: str, limit: int) -> int | None:
     """Count the tokens of ``text`` a chunk at a time, stopping as soon as there are
-    more than ``limit``: then a lower bound of its count (itself above ``limit``),
-    else None (it may fit; encode it whole for its ids).
+    more than ``limit``: then a lower bound of its count (itself above ``limit``).
+    None when it may fit: encode it whole for its ids. That is also the answer, after
+    the first chunk, for a text whose first chunk projects to at most twice ``limit``
+    in all: counting on would cost a second pass over a text likely to fit, and
+    tokenizing it whole costs about as much as counting past the limit would.
 
     Each cut costs the whole text at most ``CUT_MARGIN`` tokens: a cut is made before a
     space that follows a non-space, where byte-level pre-tokenizers (GPT-2's, Llama 3's,
@@ -118,6 +121,8 @@ def count_beyond(tokenizer: Tokenizer, text: str, limit: int) -> int | None:
         counted += len(encode(tokenizer, text[start:end], add_special_tokens=False))
         if counted - cuts * CUT_MARGIN > limit:
             return counted - cuts * CUT_MARGIN
+        if cuts == 0 and counted * len(text) <= 2 * limit * end:
+            return None
         start, cuts = end, cuts + 1
     return None
 

@@ -23,7 +23,7 @@ from dpu_frontend.http.generation import Job
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.stop import StopMatcher
-from dpu_frontend.text.tokenizer import Vocabulary
+from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary
 from tests.http.conftest import MODEL, Factory, Frontend, events
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
@@ -241,17 +241,26 @@ async def test_counting_stops_once_the_prompt_cannot_fit(
     body = await resp.json()
     assert_error(resp.status, body, 400, param="prompt", code="context_length_exceeded")
     assert "at least" in body["error"]["message"]
-    assert len(seen) == 1 and seen[0] <= 1 << 16  # one chunk, never the whole prompt
-    # A prompt that fits is counted, then tokenized whole.
+    assert len(seen) == 1 and seen[0] <= COUNT_CHUNK_CHARS  # one chunk, never the whole
+    # One likely to fit (its first chunk projects to 547 tokens) is tokenized whole next.
     seen.clear()
-    fits = "hello world " * 400  # 4,800 characters, 800 tokens
+    fits = " " * 70_000  # 547 tokens of up to 128 spaces
     request = asyncio.create_task(front.client.post(
         "/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 1}))
     (arrival,) = await front.gpu.wait_for(1)
     assert list(arrival.prompt) == service.vocab.encode(fits)
     front.gpu.finish(arrival.record.request_id, (6,))
     assert (await request).status == 200
-    assert seen == [len(fits), len(fits)]
+    assert seen == [COUNT_CHUNK_CHARS, len(fits)]
+    # One no longer than a chunk is tokenized whole at once.
+    seen.clear()
+    short = "hello world " * 400  # 4,800 characters, 800 tokens
+    request = asyncio.create_task(front.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": short, "max_tokens": 1}))
+    (_, arrival) = await front.gpu.wait_for(2)
+    front.gpu.finish(arrival.record.request_id, (6,))
+    assert (await request).status == 200
+    assert seen == [len(short)]
 
 
 # -- defect 3: a failure after the stream started ends it with an error event -----------

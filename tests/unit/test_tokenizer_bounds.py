@@ -102,18 +102,36 @@ def test_counting_by_chunks_never_counts_more_than_the_whole(
     monkeypatch.setattr(tokenizer_module, "COUNT_CHUNK_CHARS", 4096)  # more cuts, less time
     tokenizer = vocab(name).tokenizer
     chunks = 8 * 4096 + 1000  # nine chunks, eight cuts
-    for text in [LONG, "1" * chunks, "\u4e2d\u6587" * (chunks // 2), " " * chunks,
-                 "word" * (chunks // 4)]:
+    for text in [LONG, "1" * chunks, "\u4e2d\u6587" * (chunks // 2), "word" * (chunks // 4)]:
         whole = len(encode(tokenizer, text, add_special_tokens=False))
-        assert count_beyond(tokenizer, text, whole) is None  # it fits exactly
-        counted = count_beyond(tokenizer, text, whole // 2)
-        assert counted is not None and whole // 2 < counted <= whole
+        counted = count_beyond(tokenizer, text, whole // 4)
+        assert counted is not None and whole // 4 < counted <= whole
+
+
+def test_counting_gives_up_on_a_text_likely_to_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a first chunk that projects to at most twice the limit, it is tokenized
+    whole; a dense first chunk is counted on, to the end if the rest is sparse."""
+    monkeypatch.setattr(tokenizer_module, "COUNT_CHUNK_CHARS", 4096)
+    tokenizer = vocab("qwen3").tokenizer
+    spaces = " " * (8 * 4096)  # 256 tokens of 128 spaces
+    assert count_beyond(tokenizer, spaces, 128) is None  # projects to 256: give up
+    assert count_beyond(tokenizer, spaces, 127) == 5 * 32 - 4 * CUT_MARGIN  # 5 chunks of 32
+    dense_then_sparse = "1" * 4096 + spaces  # the first chunk projects to 36864
+    whole = len(encode(tokenizer, dense_then_sparse, add_special_tokens=False))
+    assert count_beyond(tokenizer, dense_then_sparse, whole) is None  # counted to the end
+    # Each further chunk adds 32 tokens less a cut's margin: past the limit after five.
+    assert count_beyond(tokenizer, dense_then_sparse, 4096 + 100) == 4096 + 5 * (32 - CUT_MARGIN)
 
 
 def test_a_clean_cut_costs_nothing_for_byte_level_pre_tokenizers() -> None:
     """Cut before a space after a non-space, Qwen3's chunks add up to the whole exactly."""
     tokenizer = vocab("qwen3").tokenizer
-    whole = len(encode(tokenizer, LONG, add_special_tokens=False))
-    cuts = len(LONG) // COUNT_CHUNK_CHARS
-    counted = count_beyond(tokenizer, LONG, whole - cuts * CUT_MARGIN - 1)
-    assert counted == whole - cuts * CUT_MARGIN
+    start, pieces = 0, []
+    while start < len(LONG):
+        end = tokenizer_module._cut(LONG, start + COUNT_CHUNK_CHARS)
+        assert end == len(LONG) or (LONG[end] == " " and LONG[end - 1] != " ")
+        pieces.append(LONG[start:end])
+        start = end
+    assert len(pieces) == 3
+    ids = [i for piece in pieces for i in encode(tokenizer, piece, add_special_tokens=False)]
+    assert ids == encode(tokenizer, LONG, add_special_tokens=False)
