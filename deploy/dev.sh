@@ -62,6 +62,25 @@ test_assets() {
   (cd "$ROOT" && "$VENV/bin/python" -m tests.tools.assets --out "$BUILD/assets")
 }
 
+# The oldest versions pyproject.toml accepts, installed once in a second venv: the
+# in-memory tiers must pass against them too, or a lower bound is a lie
+# (tests/tools/lower_bounds.py derives the pins from pyproject.toml). The test
+# tools themselves are the newest that fit those pins.
+# Called as `lower_bounds || rc=$?`, where set -e does not apply: every step returns.
+lower_bounds() {
+  local venv=$BUILD/venv-min
+  "$VENV/bin/python" -m tests.tools.lower_bounds >"$BUILD/lower-bounds.txt" || return
+  log "lower bounds: $(tr '\n' ' ' <"$BUILD/lower-bounds.txt")in $venv"
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv" || return
+  # pip's own status decides (pipefail): pins that cannot be installed together fail the lane.
+  # --no-compile: the tests import a fraction of what is installed (transformers); saves ~20 s.
+  "$venv/bin/python" -m pip install -q --no-compile -c "$BUILD/lower-bounds.txt" -e "$ROOT[default-tokenizer,test]" 2>&1 \
+    | { grep -v "^WARNING: Location" || true; } || return
+  # A bound the code has outgrown can hang a stream rather than fail it: cap the lane.
+  timeout -s INT -k 30 600 "$venv/bin/python" -m pytest -p no:cacheprovider \
+    -m "not rdma and not gpu" tests/unit tests/engine tests/http --junitxml="$BUILD/lower-bounds-junit.xml"
+}
+
 demo() {
   setup
   cd "$ROOT"
@@ -75,7 +94,7 @@ run_tests() {
   mkdir -p "$BUILD"
   test_assets
   export DPU_FRONTEND_REQUIRE_ASSETS=1 DPU_FRONTEND_ASSETS="$BUILD/assets"
-  rm -f "$BUILD"/native-junit.xml "$BUILD"/rdma-junit.xml
+  rm -f "$BUILD"/native-junit.xml "$BUILD"/rdma-junit.xml "$BUILD"/lower-bounds-junit.xml
   local t0=$SECONDS
   log "lint: ruff, mypy"
   "$VENV/bin/ruff" check dpu_frontend tests benchmarks
@@ -85,6 +104,10 @@ run_tests() {
   "$VENV/bin/python" -m pytest -m "not rdma and not gpu" --junitxml="$BUILD/native-junit.xml" "$@" \
     || native_rc=$?
   local t1=$SECONDS
+  log "the in-memory tiers against the lower bounds of the dependencies"
+  local min_rc=0
+  lower_bounds || min_rc=$?
+  local tmin=$SECONDS
   log "RDMA tests on a real soft-RoCE device (micro-VM where the kernel lacks rdma_rxe)"
   # No hypothesis plugin in there: the RDMA tests do not use it, and its end-of-session
   # import trips a bug of Debian's Python 3.11.2 ("AST constructor recursion depth
@@ -94,10 +117,11 @@ run_tests() {
     python -m pytest -p no:cacheprovider -p no:hypothesispytest -m rdma tests/rdma --junitxml="$BUILD/rdma-junit.xml" \
     || rdma_rc=$?
   local t2=$SECONDS
-  log "wall time: native $((t1 - t0)) s (with lint), RDMA part $((t2 - t1)) s, total $((t2 - t0)) s"
-  "$VENV/bin/python" -m tests.tools.junit_gate "$BUILD/native-junit.xml" \
+  log "wall time: native $((t1 - t0)) s (with lint), lower bounds $((tmin - t1)) s (with its venv)," \
+      "RDMA part $((t2 - tmin)) s, total $((t2 - t0)) s"
+  "$VENV/bin/python" -m tests.tools.junit_gate "$BUILD/native-junit.xml" "$BUILD/lower-bounds-junit.xml" \
     --require-no-skips "$BUILD/rdma-junit.xml" || exit 1
-  [ "$native_rc" -eq 0 ] && [ "$rdma_rc" -eq 0 ]
+  [ "$native_rc" -eq 0 ] && [ "$min_rc" -eq 0 ] && [ "$rdma_rc" -eq 0 ]
 }
 
 cmd=${1:-}

@@ -1,7 +1,9 @@
 """Sum JUnit XML reports and fail unless every required report ran tests and skipped none.
 
-``python -m tests.tools.junit_gate --require-no-skips build/rdma-junit.xml build/native-junit.xml``
-prints one closing line ``total: N passed, N failed, N skipped`` and exits 1
+``python -m tests.tools.junit_gate build/native-junit.xml build/lower-bounds-junit.xml
+--require-no-skips build/rdma-junit.xml`` prints a line per report, then one
+closing line ``total: N passed, N failed, N skipped`` (over all reports: the
+lower-bounds lane runs tests that the native report counts too), and exits 1
 when a report is missing, ran no test, failed one, or (for the reports named
 with --require-no-skips) skipped one: CI must never go green on skipped RDMA
 tests.
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         c = counts(report)
         bad = c["failures"] + c["errors"]
-        passed += c["tests"] - bad - c["skipped"]
+        ok = c["tests"] - bad - c["skipped"]
+        print(f"  {report.name}: {ok} passed, {bad} failed, {c['skipped']} skipped")
+        passed += ok
         failed += bad
         skipped += c["skipped"]
         if c["tests"] == 0:

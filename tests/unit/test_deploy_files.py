@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from dpu_frontend.config import LoggingConfig
 from dpu_frontend.daemon import CLOSE_GRACE_S
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.settings import SETTINGS, build
+from tests.tools.lower_bounds import lower_bounds
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -58,3 +63,18 @@ def test_the_operations_guide_quotes_the_real_defaults() -> None:
     assert len(quoted) >= 6, quoted
     for flag, value in quoted:
         assert float(value) == by_flag[flag].default, (flag, value)
+
+
+def test_ci_tests_every_runtime_dependency_at_its_lower_bound() -> None:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {Requirement(pin).name: Requirement(pin) for pin in lower_bounds(ROOT / "pyproject.toml")}
+    assert set(pins) == {Requirement(dep).name for dep in deps}
+    # The detokenizer hands DecodeStream.step a list of ids per record: tokenizers 0.22 and later.
+    # The lane below runs the detokenizer tests against exactly this floor.
+    (floor,) = pins["tokenizers"].specifier
+    assert Version(floor.version) >= Version("0.22")
+    dev = (ROOT / "deploy/dev.sh").read_text()
+    assert "-m tests.tools.lower_bounds" in dev and '-c "$BUILD/lower-bounds.txt"' in dev
+    assert "tests/unit tests/engine tests/http" in dev
+    gate = re.search(r"tests\.tools\.junit_gate (.*)", dev)
+    assert gate is not None and "lower-bounds-junit.xml" in gate.group(1)
