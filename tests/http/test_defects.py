@@ -71,6 +71,7 @@ async def test_deep_nesting_inside_a_valid_request_is_400(make_frontend: Factory
           b'"chat_template_kwargs": {"k": ' + deep + b"}}"
     status, body = await post_raw(front, "/v1/chat/completions", raw)
     assert_error(status, body, 400)
+    assert body["error"]["message"] == "request body is not valid JSON: nested too deeply"
     assert not front.gpu.arrivals
 
 
