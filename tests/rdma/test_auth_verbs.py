@@ -18,7 +18,12 @@ from dpu_frontend.softroce.harness import RXE_IP
 pytestmark = pytest.mark.rdma
 
 
+#: What the VM may write.
+BUILD = Path(__file__).resolve().parents[2] / "build"
+
+
 def secret(where: Path, name: str, text: str) -> Path:
+    where.mkdir(exist_ok=True)
     path = where / name
     path.write_text(text)
     path.chmod(0o600)
@@ -26,10 +31,8 @@ def secret(where: Path, name: str, text: str) -> Path:
 
 
 async def test_only_a_daemon_that_proves_the_secret_gets_a_qp() -> None:
-    where = Path(__file__).resolve().parents[2] / "build"  # what the VM may write
-    where.mkdir(exist_ok=True)
-    right = secret(where, "dpu-frontend-test-secret", "right-secret-" * 4)
-    wrong = secret(where, "dpu-frontend-test-wrong", "wrong-secret-" * 4)
+    right = secret(BUILD, "dpu-frontend-test-secret", "right-secret-" * 4)
+    wrong = secret(BUILD, "dpu-frontend-test-wrong", "wrong-secret-" * 4)
     config = PeerConfig(transport="verbs", rdma=RdmaConfig(ip=RXE_IP), host=RXE_IP, port=0,
                         secret_file=right,
                         geometry=Geometry(req_slots=4, arena_bytes=4096, resp_slots=8,
