@@ -164,6 +164,24 @@ class ServeConfig:
     max_request_bytes: int = field(default=4 << 20, metadata=about(
         "largest request body in bytes; a larger one gets 413 before the rest is read "
         "(the default holds a 131072-token prompt at 32 bytes a token)"))
+    # Who may use the API, and how much of it (dpu_frontend/http/auth.py, docs/operations.md).
+    api_key_file: Path | None = field(default=None, metadata=about(
+        "file of API keys clients send as 'Authorization: Bearer KEY', one a line, # comments "
+        "(mode 600; re-read on SIGHUP)", none="only api_keys; neither: no authentication"))
+    # repr=False: a key must never reach a log line through the config's repr.
+    api_keys: str | None = field(default=None, repr=False, metadata=about(
+        "comma-separated API keys; set it as DPU_FRONTEND_API_KEYS, since a flag's value is "
+        "visible to every local user in ps", none="only api_key_file"))
+    auth_exempt_paths: str = field(default="/health,/metrics", metadata=about(
+        "comma-separated paths served without an API key (probes and scrapes); empty: none"))
+    max_streams_per_key: int = field(default=0, metadata=about(
+        "completions one API key may have in flight in each worker before 429; 0: no limit"))
+    max_connections: int = field(default=0, metadata=about(
+        "open client connections in each worker; more are answered 503 and closed at accept; "
+        "0: what the open-files limit allows"))
+    idle_timeout_s: float = field(default=15.0, metadata=about(
+        "seconds a client connection may go without a complete request head, idle between "
+        "requests or sending its headers slowly (slowloris), before it is closed"))
     stream_buffer_records: int = field(default=4096, metadata=about(
         "response records buffered for one slow client before it is cut off"))
     drain_timeout_s: float = field(default=30.0, metadata=about(
@@ -201,6 +219,13 @@ class ServeConfig:
                      "stream_buffer_records", "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_streams_per_key < 0 or self.max_connections < 0:
+            raise ValueError("max_streams_per_key and max_connections must be >= 0 (0: no limit)")
+        if self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be > 0")
+        for path in self.exempt_paths:
+            if not path.startswith("/"):
+                raise ValueError(f"auth_exempt_paths: {path!r} is not a path (starts with /)")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -214,6 +239,11 @@ class ServeConfig:
             # would be granted to the first worker and refused to the others.
             raise ValueError(f"channel {self.channel} with workers = {self.workers}: each worker "
                              "needs a channel of its own; leave channel at -1")
+
+    @property
+    def exempt_paths(self) -> frozenset[str]:
+        """``auth_exempt_paths`` as a set."""
+        return frozenset(p.strip() for p in self.auth_exempt_paths.split(",") if p.strip())
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import signal
 
 from aiohttp import web
 
@@ -23,8 +24,9 @@ from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
 from dpu_frontend.engine.session import Connector, PeerSession
-from dpu_frontend.errors import Unavailable
-from dpu_frontend.http.app import create_app
+from dpu_frontend.errors import StartupError, Unavailable
+from dpu_frontend.http.app import BoundedRunner, create_app
+from dpu_frontend.http.auth import ApiKeys
 from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
 from dpu_frontend.logs import ACCESS_FORMAT
 from dpu_frontend.metrics import Metrics
@@ -38,6 +40,10 @@ log = logging.getLogger("dpu_frontend.daemon")
 #: After the drain, what aiohttp still gives handlers to write their last event.
 CLOSE_GRACE_S = 5.0
 GAUGE_INTERVAL_S = 1.0
+#: Descriptors kept for everything but client connections: the peers' control sockets,
+#: shm regions and RDMA device files, the tokenizer's files, logs, the metrics directory,
+#: epoll, and the instant a connection over ``max_connections`` is open to be refused.
+FILES_MARGIN = 256
 
 
 def raise_open_files_limit() -> int:
@@ -48,10 +54,23 @@ def raise_open_files_limit() -> int:
     return hard
 
 
+def connection_limit(max_connections: int, files: int) -> int:
+    """``max_connections``, checked against the open-files limit (0: all that it allows)."""
+    allowed = files - FILES_MARGIN
+    if allowed < 1 or max_connections > allowed:
+        wanted = max_connections or 1
+        raise StartupError(f"the open-files limit is {files}, but max_connections = "
+                           f"{max_connections} needs {wanted + FILES_MARGIN} ({FILES_MARGIN} "
+                           "kept for peers, tokenizer, logs): raise LimitNOFILE or lower "
+                           "max_connections")
+    return max_connections or allowed
+
+
 class Daemon:
     def __init__(self, config: ServeConfig, connect: Connector = PeerSession.connect) -> None:
         self.config = config
         self.metrics = Metrics(config.metrics_dir)
+        self.keys = ApiKeys(config)
         self.pool = PeerPool(config, self.metrics, connect)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
@@ -62,6 +81,8 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         files = raise_open_files_limit()
+        connections = connection_limit(cfg.max_connections, files)
+        self.keys.load()
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
         template = load_chat_template(vocab, cfg.chat_template)
         self.pool.limit_tokens(vocab.tokenizer.get_vocab_size())
@@ -70,7 +91,9 @@ class Daemon:
         await self.service.warm_up()
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
-        self.runner = web.AppRunner(create_app(self.service, cfg.model_name, self.metrics),
+        app = create_app(self.service, cfg.model_name, self.metrics, self.keys)
+        self.runner = BoundedRunner(app, max_connections=connections,
+                                    idle_timeout_s=cfg.idle_timeout_s, metrics=self.metrics,
                                     handler_cancellation=True, shutdown_timeout=CLOSE_GRACE_S,
                                     access_log=logging.getLogger("dpu_frontend.access"),
                                     access_log_format=ACCESS_FORMAT)
@@ -83,8 +106,9 @@ class Daemon:
         # Set before the ready line: a supervisor's scrape sees this worker's state at once.
         self.pool.update_gauges()
         self._gauges = asyncio.create_task(self._refresh_gauges(), name="gauges")
-        log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d)",
-                 cfg.model_name, cfg.host, self.port, len(self.pool.links), files)
+        log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d, at most %d "
+                 "connections, API keys %s)", cfg.model_name, cfg.host, self.port,
+                 len(self.pool.links), files, connections, "on" if self.keys.enabled else "off")
         announce_ready(DAEMON_READY, f"http://{cfg.host}:{self.port}")
 
     async def drain(self) -> None:
@@ -130,6 +154,9 @@ async def serve(config: ServeConfig) -> int:
     daemon = Daemon(config)
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
+    # SIGHUP re-reads the API keys: cheap (one small file), and the default action would
+    # end the process.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, daemon.keys.reload)
     watchdog: asyncio.Task[None] | None = None
     try:
         await daemon.start()

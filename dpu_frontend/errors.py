@@ -60,6 +60,28 @@ class Overloaded(RequestError):
         super().__init__(message, code="overloaded")
 
 
+class Unauthorized(RequestError):
+    """No API key, or not one of the configured ones (401, as OpenAI answers)."""
+
+    status = 401
+    challenge = "Bearer"  # the WWW-Authenticate header a 401 must carry (RFC 6750)
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class TooManyStreams(RequestError):
+    """This API key already has ``max_streams_per_key`` completions in flight (429)."""
+
+    status = 429
+    type = "rate_limit_error"
+    retry_after = 1
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this API key already has {limit} requests in flight "
+                         "(max_streams_per_key); retry when one ends", code="too_many_streams")
+
+
 class ClientTooSlow(RequestError):
     """A streaming client fell so far behind that its buffer is full; the request is
     cancelled on the GPU side rather than buffered without bound.

@@ -62,6 +62,10 @@ class Metrics:
         self.disconnected = Counter(PREFIX + "disconnected_clients",
                                     "Clients that went away before their answer was complete.",
                                     registry=r)
+        self.refused_connections = Counter(
+            PREFIX + "refused_connections",
+            "Client connections answered 503 and closed at accept: max_connections open.",
+            registry=r)
         self.input_tokens = Counter(PREFIX + "input_tokens", "Prompt tokens sent to GPU peers.",
                                     registry=r)
         self.output_tokens = Counter(PREFIX + "output_tokens",

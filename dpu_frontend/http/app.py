@@ -1,15 +1,21 @@
-"""The aiohttp application: routes and the error boundary."""
+"""The aiohttp application: routes, the error boundary, API keys; and its runner,
+which bounds the open connections."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dpu_frontend import __version__
 from dpu_frontend.engine.service import Service
 from dpu_frontend.http import openapi
+from dpu_frontend.http.auth import ApiKeys, authenticate
 from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
 from dpu_frontend.http.errors import add_request_id, boundary, error_body
@@ -17,14 +23,19 @@ from dpu_frontend.http.tokenize import TokenizeHandlers
 from dpu_frontend.metrics import Metrics
 
 
-def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Application:
+def create_app(service: Service, model_name: str, metrics: Metrics,
+               keys: ApiKeys | None = None) -> web.Application:
+    """``keys``: loaded already (``ApiKeys.load``); None or none configured: no authentication."""
     # A body over the limit is refused from its Content-Length before a byte is read, or
     # by aiohttp as soon as a chunked one grows past it (the error boundary: 413).
-    app = web.Application(middlewares=[boundary(metrics)],
+    # The keys are checked inside the boundary, which answers and counts their 401s.
+    keys = keys if keys is not None else ApiKeys(service.config)
+    app = web.Application(middlewares=[boundary(metrics), authenticate(keys)],
                           client_max_size=service.config.max_request_bytes)
     app.on_response_prepare.append(add_request_id)
     created = int(time.time())
-    spec = openapi.build(model_name)
+    # Whether keys are required is fixed at start: a reload must find at least one.
+    spec = openapi.build(model_name, keys.config.exempt_paths if keys.enabled else None)
     tokenize = TokenizeHandlers(service, model_name)
 
     async def health(request: web.Request) -> web.Response:
@@ -68,3 +79,57 @@ def create_app(service: Service, model_name: str, metrics: Metrics) -> web.Appli
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/metrics", prometheus)
     return app
+
+
+#: What a connection over ``max_connections`` is told before it is closed, unread.
+_FULL = json.dumps(error_body("too many open connections (max_connections); retry shortly",
+                              "service_unavailable", None, 503)).encode()
+_FULL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  b"Retry-After: 1\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(_FULL), _FULL))
+
+
+class _BoundedServer(web.Server):
+    """aiohttp's server, which turns away connections past ``max_connections`` at accept:
+    a 503 written before anything is read, then closed. The connection still costs a file
+    descriptor for that instant, so the open-files limit must leave room (daemon.py)."""
+
+    def __init__(self, *args: Any, max_connections: int, refused: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections = max_connections
+        self._refused = refused
+        self._open: set[RequestHandler] = set()
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        if len(self._open) >= self.max_connections:
+            self._refused.inc()
+            transport.write(_FULL_RESPONSE)
+            transport.close()  # its connection_lost comes, and finds it never counted
+            return
+        self._open.add(handler)
+        super().connection_made(handler, transport)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        self._open.discard(handler)
+        super().connection_lost(handler, exc)
+
+
+class BoundedRunner(web.AppRunner):
+    """An ``AppRunner`` whose server holds at most ``max_connections`` connections and closes
+    one that has not sent a complete request head within ``idle_timeout_s`` (aiohttp's
+    keep-alive timer runs from the accept, and from the end of each response)."""
+
+    def __init__(self, app: web.Application, *, max_connections: int, idle_timeout_s: float,
+                 metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(app, keepalive_timeout=idle_timeout_s, **kwargs)
+        self.max_connections = max_connections
+        self._refused = metrics.refused_connections
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # Rebuilt with the same arguments, bounded: AppRunner builds its server in this one
+        # overridable step and keeps no other reference to it.
+        return _BoundedServer(server.request_handler, request_factory=server.request_factory,
+                              handler_cancellation=server.handler_cancellation,
+                              max_connections=self.max_connections, refused=self._refused,
+                              **server._kwargs)

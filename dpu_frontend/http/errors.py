@@ -44,9 +44,16 @@ def body_for(exc: Exception) -> tuple[int, dict[str, Any]]:
 
 
 def headers_for(exc: Exception) -> dict[str, str]:
-    """``Retry-After`` for the statuses a client should retry (429, 503)."""
+    """``Retry-After`` for the statuses a client should retry (429, 503), and the
+    ``WWW-Authenticate`` challenge of a 401."""
+    headers = {}
     retry = getattr(exc, "retry_after", None)
-    return {"Retry-After": str(retry)} if retry is not None else {}
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    challenge = getattr(exc, "challenge", None)
+    if challenge is not None:
+        headers["WWW-Authenticate"] = challenge
+    return headers
 
 
 async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:

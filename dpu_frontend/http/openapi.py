@@ -43,7 +43,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
             for s in statuses}
 
 
-def build(model_name: str) -> dict[str, Any]:
+def build(model_name: str, exempt: frozenset[str] | None = None) -> dict[str, Any]:
+    """``exempt``: with API keys configured, the paths served without one; None: no keys."""
     models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest,
                                      TokenizeCompletionRequest, TokenizeChatRequest,
                                      DetokenizeRequest, ErrorResponse]
@@ -61,7 +62,7 @@ def build(model_name: str) -> dict[str, Any]:
     def get(summary: str) -> dict[str, Any]:
         return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
 
-    return {
+    spec = {
         "openapi": "3.1.0",
         "info": {"title": "dpu-frontend", "version": __version__,
                  "description": f"OpenAI-compatible API serving `{model_name}`."},
@@ -83,3 +84,20 @@ def build(model_name: str) -> dict[str, Any]:
         },
         "components": {"schemas": schemas.get("$defs", {})},
     }
+    if exempt is not None:
+        _require_keys(spec, exempt)
+    return spec
+
+
+def _require_keys(spec: dict[str, Any], exempt: frozenset[str]) -> None:
+    """The bearer scheme on every operation but the exempt ones, each with its 401."""
+    spec["components"]["securitySchemes"] = {"apiKey": {
+        "type": "http", "scheme": "bearer",
+        "description": "one of the daemon's API keys (api_key_file, DPU_FRONTEND_API_KEYS)"}}
+    spec["security"] = [{"apiKey": []}]
+    for path, operations in spec["paths"].items():
+        for operation in operations.values():
+            if path in exempt:
+                operation["security"] = []
+            else:  # a new dict: the generation responses are shared by two operations
+                operation["responses"] = operation["responses"] | _errors(401)

@@ -21,6 +21,7 @@ from dpu_frontend.config import PeerAddress
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
 from dpu_frontend.http.app import create_app
+from dpu_frontend.http.auth import ApiKeys
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
@@ -42,6 +43,7 @@ class Frontend:
     peers: dict[PeerAddress, LoopbackPeer]
     service: Service
     metrics: Metrics
+    keys: ApiKeys
 
     @property
     def peer(self) -> LoopbackPeer:
@@ -78,8 +80,10 @@ async def make_frontend(aiohttp_client: AiohttpClient,
         pool.limit_tokens(vocab.tokenizer.get_vocab_size())  # as the daemon does
         await pool.start()
         service = Service(config, vocab, pool, load_chat_template(vocab, None), metrics)
-        client = await aiohttp_client(create_app(service, MODEL, metrics))
-        frontend = Frontend(client, loopbacks, service, metrics)
+        keys = ApiKeys(config)
+        keys.load()  # as the daemon does at start
+        client = await aiohttp_client(create_app(service, MODEL, metrics, keys))
+        frontend = Frontend(client, loopbacks, service, metrics, keys)
         made.append(frontend)
         return frontend
 
