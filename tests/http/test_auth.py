@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import openai
 import pytest
 
 from dpu_frontend.config import ServeConfig
@@ -180,3 +181,15 @@ async def test_the_schema_documents_the_bearer_scheme(make_frontend: Factory) ->
     assert spec["paths"]["/health"]["get"]["security"] == []
     assert "401" in spec["paths"]["/v1/completions"]["post"]["responses"]
     assert "401" not in spec["paths"]["/health"]["get"]["responses"]
+
+
+async def test_the_openai_sdk_sees_an_authentication_error(make_frontend: Factory) -> None:
+    front = await make_frontend(api_keys=KEY)
+    base = str(front.client.make_url("/v1"))
+    async with openai.AsyncOpenAI(base_url=base, api_key="sk-wrong-0123456789abcdef",
+                                  max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await wrong.models.list()
+    assert caught.value.code == "invalid_api_key"
+    async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as right:
+        assert [m.id async for m in right.models.list()] == [MODEL]
