@@ -164,6 +164,10 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
     workers = [Worker(i, base, env) for i in range(config.workers)]
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
+    # SIGHUP (reload the API keys) is for every worker: `systemctl reload` reaches
+    # only this process.
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGHUP, lambda: _signal_all(workers, signal.SIGHUP))
     ready_timeout = config.connect_timeout_s * 2 + 60
     try:
         # SIGTERM during a start or a restart ends it at once (its worker is killed);
@@ -184,6 +188,13 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
         await _stop_all(workers, config.drain_timeout_s + CLOSE_GRACE_S + 5)
         reserved.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _signal_all(workers: list[Worker], sig: int) -> None:
+    for worker in workers:
+        if worker.proc is not None and worker.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(sig)
 
 
 async def _keep(worker: Worker, metrics_dir: Path, ready_timeout: float) -> None:

@@ -156,3 +156,31 @@ async def test_sigterm_ends_a_restart_attempt_at_once() -> None:
             await eventually(all_gone, "a worker outlived the supervisor", limit=10)
         finally:
             stack.peers[0].kill(signal.SIGCONT)
+
+
+async def test_sighup_reloads_the_api_keys_of_every_worker(tmp_path: Path) -> None:
+    """The supervisor forwards SIGHUP: after the key file changes, the new key works and
+    the old one is refused, on every connection (the kernel spreads them over both)."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("old-key-0123456789abcdef\n")
+    keys.chmod(0o600)
+    with running_stack("shm", timeout=120, peer_args=("--channels", "2"),
+                       serve_args=("--workers", "2", "--api-key-file", str(keys))) as stack:
+        async def statuses(key: str) -> list[int]:
+            async def one() -> int:
+                # A session each: a new connection, so both workers answer some.
+                async with aiohttp.ClientSession() as http, http.get(
+                        f"{stack.base_url}/v1/models",
+                        headers={"Authorization": f"Bearer {key}"}) as r:
+                    return r.status
+            return list(await asyncio.gather(*(one() for _ in range(16))))
+
+        assert await statuses("old-key-0123456789abcdef") == [200] * 16
+        keys.write_text("new-key-0123456789abcdef\n")
+        stack.daemon.send_signal(signal.SIGHUP)
+
+        async def reloaded() -> bool:
+            return await statuses("new-key-0123456789abcdef") == [200] * 16
+
+        await eventually(reloaded, "a worker never reloaded its keys")
+        assert await statuses("old-key-0123456789abcdef") == [401] * 16
