@@ -27,6 +27,31 @@ from dpu_frontend.text.tokenizer import Vocabulary
 #: may not name them (HF's ``apply_chat_template`` passes the same four).
 RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
 
+#: The deepest nesting of arrays and objects (lists and dicts) a request may hold: the
+#: whole JSON body, and each value ``render`` hands the template. OpenAI requests are
+#: shallow (messages, tools and their JSON schemas, ``response_format`` schemas: a few
+#: dozen levels at most); the bound keeps ``json``, pydantic and ``tojson`` well inside
+#: every interpreter's recursion limits, which differ between Python 3.11, 3.12 and 3.13
+#: (issue 10, defect 1).
+MAX_NESTING = 128
+
+
+def nesting_exceeds(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` deep (``[[]]`` is 2).
+
+    Level by level, without recursion: the cost is one type test per value, and
+    nothing here can raise RecursionError, whatever the interpreter.
+    """
+    level = [value]
+    for _ in range(limit + 1):
+        containers = [v for v in level if type(v) is list or type(v) is dict]
+        if not containers:
+            return False
+        level = []
+        for container in containers:
+            level.extend(container.values() if type(container) is dict else container)
+    return True
+
 
 def reserved_kwarg(kwargs: dict[str, Any] | None) -> str | None:
     """The first key of ``kwargs`` that ``render`` passes itself, if any."""
@@ -83,6 +108,10 @@ class ChatTemplate:
         if (key := reserved_kwarg(kwargs)) is not None:
             raise RequestError(f"chat_template_kwargs may not set '{key}': the template gets "
                                "it from the request", param="chat_template_kwargs")
+        if nesting_exceeds(messages) or nesting_exceeds(kwargs):
+            raise TemplateRaised(f"chat template input is nested too deeply (more than "
+                                 f"{MAX_NESTING} levels of arrays and objects)",
+                                 param="messages", code="chat_template_error")
         context = {**self.special_tokens, **(kwargs or {})}
         try:
             rendered = self._template.render(messages=messages, tools=None, documents=None,
@@ -92,7 +121,7 @@ class ChatTemplate:
             raise TemplateRaised(f"chat template error: {exc}", param="messages",
                                  code="chat_template_error") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError,
-                RecursionError) as exc:  # RecursionError: ``tojson`` on a deeply nested value
+                RecursionError) as exc:  # RecursionError: a template that recurses itself
             raise TemplateRaised(f"chat template failed on these messages: {exc}",
                                  param="messages", code="chat_template_error") from exc
         if continue_final_message:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from dpu_frontend.http.errors import boundary
 from dpu_frontend.http.generation import Job
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason
+from dpu_frontend.text.chat_template import MAX_NESTING
 from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary
 from tests.http.conftest import MODEL, Factory, Frontend, events
@@ -71,8 +73,23 @@ async def test_deep_nesting_inside_a_valid_request_is_400(make_frontend: Factory
           b'"chat_template_kwargs": {"k": ' + deep + b"}}"
     status, body = await post_raw(front, "/v1/chat/completions", raw)
     assert_error(status, body, 400)
-    assert body["error"]["message"] == "request body is not valid JSON: nested too deeply"
+    assert body["error"]["message"] == ("request body is not valid JSON: nested too deeply "
+                                        f"(more than {MAX_NESTING} levels of arrays and objects)")
     assert not front.gpu.arrivals
+
+
+async def test_nesting_at_the_limit_is_served(make_frontend: Factory) -> None:
+    """``MAX_NESTING`` levels in all (the body is one, ``chat_template_kwargs`` another)."""
+    front = await make_frontend()
+    inner = MAX_NESTING - 2
+    raw = b'{"model": "qwen3", "messages": [{"role": "user", "content": "x"}], ' \
+          b'"max_tokens": 1, "chat_template_kwargs": {"k": ' + b"[" * inner + b"]" * inner + b"}}"
+    request = asyncio.create_task(front.client.post(
+        "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}))
+    async with asyncio.timeout(60):  # before the bound, a 3.13 server took 5,000 levels
+        (arrival,) = await front.gpu.wait_for(1)
+    front.gpu.finish(arrival.record.request_id, (6,))
+    assert (await request).status == 200
 
 
 # -- defect 2: a body over max_request_bytes is 413, before it is read ------------------
@@ -128,7 +145,8 @@ async def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(
                                     f"Content-Type: application/json\r\n"
                                     f"Content-Length: 10000000".encode())
     status_lines, headers, body = split_response(raw)
-    assert status_lines == [b"HTTP/1.1 413 Request Entity Too Large"]
+    # Python 3.13 renamed 413 "Content Too Large" (RFC 9110); aiohttp takes http's phrase
+    assert status_lines == [f"HTTP/1.1 413 {HTTPStatus(413).phrase}".encode()]
     assert headers["Content-Type"].startswith("application/json")
     assert_error(413, json.loads(body), 413, code="request_too_large")
     assert str(limit) in json.loads(body)["error"]["message"]

@@ -10,7 +10,13 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from dpu_frontend.errors import RequestError, StartupError
-from dpu_frontend.text.chat_template import ChatTemplate, TemplateRaised, load_chat_template
+from dpu_frontend.text.chat_template import (
+    MAX_NESTING,
+    ChatTemplate,
+    TemplateRaised,
+    load_chat_template,
+    nesting_exceeds,
+)
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import tokenizer_dir
 
@@ -109,6 +115,29 @@ def test_a_deeply_nested_value_is_a_request_error() -> None:
     with pytest.raises(RequestError) as info:
         template.render([{"role": "user", "content": "x", "extra": deep}])
     assert info.value.code == "chat_template_error" and info.value.status == 400
+    assert f"more than {MAX_NESTING} levels" in info.value.message
+
+
+def nested(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_nesting_is_bounded_before_rendering_on_every_python() -> None:
+    """Not RecursionError, whose depth differs from 3.11 to 3.13: the bound is explicit."""
+    assert not nesting_exceeds(nested(MAX_NESTING)) and nesting_exceeds(nested(MAX_NESTING + 1))
+    assert not nesting_exceeds({"a": [1, {"b": "[[["}], "c": None})
+    assert nesting_exceeds({"a": [{"b": [[]]}]}, limit=4) and not nesting_exceeds([[[[]]]], 4)
+    assert not nesting_exceeds("x", limit=0) and nesting_exceeds([], limit=0)
+    template = ChatTemplate("{{ extra | tojson }}", {}, "inline")
+    messages = [{"role": "user", "content": "x"}]
+    assert template.render(messages, kwargs={"extra": nested(MAX_NESTING - 1)})
+    with pytest.raises(TemplateRaised, match="nested too deeply"):
+        template.render(messages, kwargs={"extra": nested(MAX_NESTING)})
+    with pytest.raises(TemplateRaised, match="nested too deeply"):
+        template.render([{"role": "user", "content": nested(MAX_NESTING)}])
 
 
 @pytest.mark.parametrize("key", ["messages", "tools", "documents", "add_generation_prompt"])

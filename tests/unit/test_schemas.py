@@ -12,8 +12,10 @@ from dpu_frontend.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeChatRequest,
+    load_json,
     parse,
 )
+from dpu_frontend.text.chat_template import MAX_NESTING
 
 
 def completion(**fields: Any) -> CompletionRequest:
@@ -81,6 +83,8 @@ def test_body_must_be_a_json_object() -> None:
 
 @pytest.mark.parametrize(("body", "message"), [
     (b"[" * 100_000, "nested too deeply"),  # json recurses: RecursionError (issue 10, defect 1)
+    # parses on Python 3.13, which allows deeper C recursion: refused by MAX_NESTING
+    (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
     (b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     (b'{"model": "m", "prompt": "caf\xe9"}', "not UTF-8"),  # Latin-1, not UTF-8
     (b'{"model": "m", "prompt": "a\\ud800b"}', "lone surrogate"),
@@ -91,6 +95,20 @@ def test_malformed_bodies_are_400(body: bytes, message: str) -> None:
         parse(CompletionRequest, body)
     assert message in info.value.message
     assert info.value.status == 400 and info.value.param is None
+
+
+def test_nesting_is_bounded_the_same_on_every_python() -> None:
+    """``MAX_NESTING`` levels parse; one more is a 400 naming the limit (issue 10, defect 1,
+    Python 3.12+); brackets inside strings do not count."""
+    def body(levels: int) -> bytes:  # the body itself is the first level
+        inner = levels - 1
+        return b'{"model": "m", "prompt": ' + b"[" * inner + b"]" * inner + b"}"
+
+    assert load_json(body(MAX_NESTING))["model"] == "m"
+    with pytest.raises(RequestError, match=f"nested too deeply \\(more than {MAX_NESTING} "):
+        load_json(body(MAX_NESTING + 1))
+    brackets = json.dumps({"prompt": "[{" * 10_000, "stop": [["x"]] * 1000}).encode()
+    assert load_json(brackets)["prompt"] == "[{" * 10_000
 
 
 def test_surrogate_pairs_and_a_byte_order_mark_are_fine() -> None:
