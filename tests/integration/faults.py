@@ -33,7 +33,7 @@ from dpu_frontend.softroce.processes import CLI, DAEMON_READY
 from dpu_frontend.softroce.processes import start as start_process
 from dpu_frontend.softroce.processes import stop as stop_process
 from tests.integration.lifecycle import LONG, endings, eventually, read_events
-from tests.stack import MODEL, Stack
+from tests.stack import MODEL, VM_PEER_TIMEOUT_S, Stack
 
 
 async def open_streams(http: aiohttp.ClientSession, base_url: str,
@@ -201,7 +201,7 @@ async def faulty_stack(transport: str, tmp: Path) -> AsyncIterator[FaultyStack]:
     kernel = FaultyKernel(config, source.corpus, source.eos_token_ids)
     peer = PeerServer(config, kernel, source.model)
     await peer.start()
-    net = ["--rdma-ip", RXE_IP, "--peer-timeout", "5"] if verbs else []
+    net = ["--rdma-ip", RXE_IP, "--peer-timeout", str(VM_PEER_TIMEOUT_S)] if verbs else []
     daemon = None
     try:
         # In a thread: this loop must answer the daemon's handshake meanwhile.
