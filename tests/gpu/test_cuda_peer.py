@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,12 +18,12 @@ import pytest
 from dpu_frontend.config import PeerAddress, ServeConfig
 from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.engine.session import PeerSession
-from dpu_frontend.ring import ResponseRecord, SamplingParams
-from dpu_frontend.ring.records import REQUEST_BODY_OFFSET
+from dpu_frontend.ring import SamplingParams
 from tests.integration.scenarios import (
     check_chat_stream_sdk,
     check_stream_equals_full_and_decode,
 )
+from tests.raw_ring import poll_until_final, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -87,17 +86,9 @@ async def test_a_corrupt_record_is_counted_and_skipped(gpu_stack: Stack) -> None
     config = ServeConfig(peers=(address,), transport="shm")
     session = await PeerSession.connect(config, address)
     try:
-        ring, transport = session.channel, session.transport
-        assert ring is not None and transport is not None
         before = (await peer_stats(address))[session.channel_index]
-        ring.submit(1, [1, 2, 3], SamplingParams(max_tokens=4))
-        writes, _ = ring.take_writes()
-        body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
-        corrupt = bytearray(body.data)
-        corrupt[0] = 9  # kind 9 does not exist
-        await transport.write([op if op is not body else type(op)(op.offset, bytes(corrupt))
-                               for op in writes])
-        ring.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+        await write_unknown_kind(session, 1, [1, 2, 3])
+        session.channel.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
         records = await poll_until_final(session, 2)
         assert [t for r in records if r.request_id == 2 for t in r.tokens]
         after = (await peer_stats(address))[session.channel_index]
@@ -106,24 +97,6 @@ async def test_a_corrupt_record_is_counted_and_skipped(gpu_stack: Stack) -> None
     finally:
         await session.close()
     await check_stream_equals_full_and_decode(gpu_stack)  # the kernel still serves
-
-
-async def poll_until_final(session: PeerSession, request_id: int) -> list[ResponseRecord]:
-    ring, transport = session.channel, session.transport
-    assert ring is not None and transport is not None
-    out: list[ResponseRecord] = []
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        poll = ring.begin_poll()
-        records, more = ring.end_poll(poll, await transport.exchange(poll.writes, poll.reads),
-                                      time.monotonic())
-        for op in more:
-            records += ring.on_records(op, await transport.read(op))
-        out += records
-        if any(r.request_id == request_id and r.final for r in records):
-            return out
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"no final record for {request_id}")
 
 
 def test_peer_stats_cli_reports_kernel_counters(gpu_stack: Stack) -> None:

@@ -4,7 +4,6 @@ detaches a channel on its own, and the reference kernel failing."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,10 @@ from dpu_frontend.peer.generator import TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.peer.reference import ReferenceKernel
 from dpu_frontend.peer.server import PeerServer
-from dpu_frontend.ring import Geometry, Layout, ResponseRecord, SamplingParams
+from dpu_frontend.ring import Geometry, Layout, SamplingParams
 from dpu_frontend.ring.mailbox import ChannelState, Command, KernelMailbox, MailboxError, mailbox_area_size
 from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.ring.records import REQUEST_BODY_OFFSET
+from tests.raw_ring import poll_until_final, write_unknown_kind
 
 #: The daemon notices a silent peer at its heartbeat deadline; a peer that stops
 #: serving a channel must close its control connection well before.
@@ -224,16 +223,9 @@ async def test_a_bad_record_is_skipped_and_its_channel_keeps_its_connection(
     session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"), address)
     ended = asyncio.create_task(session.ended())
     try:
-        ring, transport = session.channel, session.transport
-        ring.submit(1, [1, 2, 3], SamplingParams(max_tokens=4))
-        writes, _ = ring.take_writes()
-        body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
-        corrupt = bytearray(body.data)
-        corrupt[0] = 9  # kind 9 does not exist
-        await transport.write([op if op is not body else type(op)(op.offset, bytes(corrupt))
-                               for op in writes])
-        ring.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
-        records = await until_final(session, 2)
+        await write_unknown_kind(session, 1, [1, 2, 3])
+        session.channel.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+        records = await poll_until_final(session, 2, limit=10)
         assert [t for r in records for t in r.tokens] == [5, 6, 7, 5]
         [stats] = peer.stats()
         assert (stats["bad_records"], stats["records"], stats["attached"]) == (1, 2, True)
@@ -242,19 +234,3 @@ async def test_a_bad_record_is_skipped_and_its_channel_keeps_its_connection(
         ended.cancel()
         await session.close()
         await peer.close()
-
-
-async def until_final(session: PeerSession, request_id: int) -> list[ResponseRecord]:
-    """Poll the ring as a link does until ``request_id``'s final record."""
-    ring, transport = session.channel, session.transport
-    out: list[ResponseRecord] = []
-    async with asyncio.timeout(10):
-        while not any(r.request_id == request_id and r.final for r in out):
-            poll = ring.begin_poll()
-            records, more = ring.end_poll(
-                poll, await transport.exchange(poll.writes, poll.reads), time.monotonic())
-            for op in more:
-                records += ring.on_records(op, await transport.read(op))
-            out += records
-            await asyncio.sleep(0.001)  # the kernel's tick
-    return out

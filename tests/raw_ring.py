@@ -1,0 +1,44 @@
+"""A DPU-side client that drives a session's ring by hand, as a link would, for tests
+that must write what a daemon never writes (a corrupt record) or poll without a link."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from dpu_frontend.engine.session import PeerSession
+from dpu_frontend.ring import ResponseRecord, SamplingParams
+from dpu_frontend.ring.records import REQUEST_BODY_OFFSET
+
+UNKNOWN_KIND = 9  # no request record kind has this value
+
+
+async def write_unknown_kind(session: PeerSession, request_id: int,
+                             prompt: Sequence[int]) -> None:
+    """Write ``request_id``'s generate record with its kind byte set to an unknown kind."""
+    ring, transport = session.channel, session.transport
+    ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
+    writes, _ = ring.take_writes()
+    body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
+    corrupt = bytearray(body.data)
+    corrupt[0] = UNKNOWN_KIND
+    await transport.write([op if op is not body else type(op)(op.offset, bytes(corrupt))
+                           for op in writes])
+
+
+async def poll_until_final(session: PeerSession, request_id: int,
+                           limit: float = 30) -> list[ResponseRecord]:
+    """Poll the ring as a link does until ``request_id``'s final record; every record seen."""
+    ring, transport = session.channel, session.transport
+    out: list[ResponseRecord] = []
+    async with asyncio.timeout(limit):
+        while not any(r.request_id == request_id and r.final for r in out):
+            poll = ring.begin_poll()
+            records, more = ring.end_poll(
+                poll, await transport.exchange(poll.writes, poll.reads), time.monotonic())
+            for op in more:
+                records += ring.on_records(op, await transport.read(op))
+            out += records
+            await asyncio.sleep(0.001)  # a kernel's tick
+    return out
