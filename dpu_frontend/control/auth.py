@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 from pathlib import Path
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.private import read_private
 
 NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
@@ -37,14 +36,7 @@ _CONTEXT = b"dpu-frontend control plane v1|"
 def load_secret(path: Path) -> bytes:
     """The secret in ``path`` (surrounding whitespace dropped). The file must be readable
     by its owner only: a secret others can read protects nothing."""
-    try:
-        mode = os.stat(path).st_mode
-        secret = path.read_bytes().strip()
-    except OSError as exc:
-        raise StartupError(f"cannot read the control-plane secret {path}: {exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise StartupError(f"the control-plane secret {path} is open to others "
-                           f"(mode {stat.S_IMODE(mode):o}): chmod 600 it")
+    secret = read_private(path, "the control-plane secret").strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise StartupError(f"the control-plane secret {path} holds {len(secret)} bytes; "
                            f"at least {MIN_SECRET_BYTES} are needed (e.g. `openssl rand -hex 32`)")

@@ -18,8 +18,6 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
-import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.errors import StartupError, TooManyStreams, Unauthorized
+from dpu_frontend.private import read_private
 
 log = logging.getLogger("dpu_frontend.http")
 
@@ -59,15 +58,12 @@ def _check(key: str, where: str) -> str:
 
 
 def read_key_file(path: Path) -> list[str]:
-    """The keys in ``path``, which only its owner may read (as control/auth.py's secret)."""
+    """The keys in ``path``, which only its owner may read."""
+    data = read_private(path, "the API key file")
     try:
-        mode = os.stat(path).st_mode
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise StartupError(f"cannot read the API key file {path}: {exc}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise StartupError(f"the API key file {path} is open to others "
-                           f"(mode {stat.S_IMODE(mode):o}): chmod 600 it")
     keys = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     found = [_check(key, str(path)) for key in keys if key]
     if not found:
