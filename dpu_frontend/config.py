@@ -174,6 +174,13 @@ class ServeConfig:
         "visible to every local user in ps", none="only api_key_file"))
     auth_exempt_paths: str = field(default="/health,/metrics", metadata=about(
         "comma-separated paths served without an API key (probes and scrapes); empty: none"))
+    # TLS on the client listener (dpu_frontend/http/tls.py): both files or neither.
+    tls_cert_file: Path | None = field(default=None, metadata=about(
+        "PEM certificate chain (leaf first) for HTTPS on the client listener; re-read on "
+        "SIGHUP, open streams keep theirs", none="plain HTTP"))
+    tls_key_file: Path | None = field(default=None, metadata=about(
+        "PEM private key of tls_cert_file (not readable by others: mode 600 or 640)",
+        none="plain HTTP"))
     max_streams_per_key: int = field(default=0, metadata=about(
         "completions one API key may have in flight in each worker before 429; 0: no limit"))
     max_connections: int = field(default=0, metadata=about(
@@ -234,11 +241,19 @@ class ServeConfig:
             raise ValueError("poll intervals must be in (0, 1] s and (0, 10] s")
         if self.connect_timeout_s <= 0:
             raise ValueError("connect_timeout_s must be > 0")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both for HTTPS, "
+                             "neither for plain HTTP")
         if self.workers > 1 and self.channel >= 0:
             # Every worker claims its own channel of each peer: one fixed channel
             # would be granted to the first worker and refused to the others.
             raise ValueError(f"channel {self.channel} with workers = {self.workers}: each worker "
                              "needs a channel of its own; leave channel at -1")
+
+    @property
+    def scheme(self) -> str:
+        """What clients use to reach the listener: https with a certificate, else http."""
+        return "http" if self.tls_cert_file is None else "https"
 
     @property
     def exempt_paths(self) -> frozenset[str]:

@@ -27,6 +27,7 @@ from dpu_frontend.engine.session import Connector, PeerSession
 from dpu_frontend.errors import StartupError, Unavailable
 from dpu_frontend.http.app import BoundedRunner, create_app
 from dpu_frontend.http.auth import ApiKeys
+from dpu_frontend.http.tls import TlsCertificates
 from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
 from dpu_frontend.logs import ACCESS_FORMAT
 from dpu_frontend.metrics import Metrics
@@ -71,6 +72,8 @@ class Daemon:
         self.config = config
         self.metrics = Metrics(config.metrics_dir)
         self.keys = ApiKeys(config)
+        self.tls = (None if config.tls_cert_file is None or config.tls_key_file is None
+                    else TlsCertificates(config.tls_cert_file, config.tls_key_file))
         self.pool = PeerPool(config, self.metrics, connect)
         self.service: Service | None = None
         self.runner: web.AppRunner | None = None
@@ -83,6 +86,7 @@ class Daemon:
         files = raise_open_files_limit()
         connections = connection_limit(cfg.max_connections, files)
         self.keys.load()
+        ssl_context = self.tls.load() if self.tls is not None else None
         vocab = Vocabulary.load(cfg.tokenizer or default_tokenizer_dir())
         template = load_chat_template(vocab, cfg.chat_template)
         self.pool.limit_tokens(vocab.tokenizer.get_vocab_size())
@@ -100,16 +104,23 @@ class Daemon:
         await self.runner.setup()
         # Workers share the port: the kernel spreads connections over them.
         self.site = web.TCPSite(self.runner, cfg.host, cfg.port,
-                                reuse_port=cfg.worker_index is not None)
+                                ssl_context=ssl_context, reuse_port=cfg.worker_index is not None)
         await self.site.start()
         self.port = self.runner.addresses[0][1]
         # Set before the ready line: a supervisor's scrape sees this worker's state at once.
         self.pool.update_gauges()
         self._gauges = asyncio.create_task(self._refresh_gauges(), name="gauges")
-        log.info("serving %s on http://%s:%d (%d GPU peers, open files limit %d, at most %d "
-                 "connections, API keys %s)", cfg.model_name, cfg.host, self.port,
+        log.info("serving %s on %s://%s:%d (%d GPU peers, open files limit %d, at most %d "
+                 "connections, API keys %s)", cfg.model_name, cfg.scheme, cfg.host, self.port,
                  len(self.pool.links), files, connections, "on" if self.keys.enabled else "off")
-        announce_ready(DAEMON_READY, f"http://{cfg.host}:{self.port}")
+        announce_ready(DAEMON_READY, f"{cfg.scheme}://{cfg.host}:{self.port}")
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the API keys and the TLS certificate; nothing open is dropped,
+        and a file that fails to load leaves what is in use in place."""
+        self.keys.reload()
+        if self.tls is not None:
+            self.tls.reload()
 
     async def drain(self) -> None:
         """Refuse new work, let open requests finish, end the rest explicitly."""
@@ -154,9 +165,9 @@ async def serve(config: ServeConfig) -> int:
     daemon = Daemon(config)
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
-    # SIGHUP re-reads the API keys: cheap (one small file), and the default action would
-    # end the process.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, daemon.keys.reload)
+    # SIGHUP re-reads the API keys and the TLS certificate: cheap (small files), and the
+    # default action would end the process.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, daemon.reload)
     watchdog: asyncio.Task[None] | None = None
     try:
         await daemon.start()

@@ -164,7 +164,7 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
     workers = [Worker(i, base, env) for i in range(config.workers)]
     notifier = Notifier.from_environment()
     stop = stop_on_signals()
-    # SIGHUP (reload the API keys) is for every worker: `systemctl reload` reaches
+    # SIGHUP (reload the API keys and the TLS certificate) is for every worker: `systemctl reload` reaches
     # only this process.
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGHUP, lambda: _signal_all(workers, signal.SIGHUP))
@@ -174,7 +174,7 @@ async def supervise(config: ServeConfig, argv: list[str]) -> int:
         # the workers that serve drain, with the whole drain timeout.
         if not await _unless(stop, _together([w.start(ready_timeout) for w in workers])):
             return 0
-        announce_ready(DAEMON_READY, f"http://{config.host}:{port}")
+        announce_ready(DAEMON_READY, f"{config.scheme}://{config.host}:{port}")
         notifier.ready(f"{config.workers} workers serving {config.model_name} on port {port}")
         watchdog = asyncio.create_task(notifier.watchdog())
         try:

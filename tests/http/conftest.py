@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
 from dpu_frontend.config import PeerAddress
+from dpu_frontend.daemon import Daemon
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
 from dpu_frontend.http.app import create_app
@@ -91,6 +92,28 @@ async def make_frontend(aiohttp_client: AiohttpClient,
     for frontend in made:
         await frontend.service.pool.close()
         frontend.service.close()
+
+
+@pytest.fixture
+async def peer() -> LoopbackPeer:
+    return LoopbackPeer()
+
+
+@pytest.fixture
+async def daemons() -> AsyncIterator[list[Daemon]]:
+    """Where ``start_daemon`` puts the daemons it starts; each is stopped at the end."""
+    started: list[Daemon] = []
+    yield started
+    for daemon in started:
+        await daemon.stop()
+
+
+async def start_daemon(daemons: list[Daemon], peer: LoopbackPeer, **overrides: Any) -> Daemon:
+    """The real ``Daemon`` on a free port of loopback, its GPU side ``peer``."""
+    daemon = Daemon(serve_config(port=0, tokenizer_threads=1, **overrides), peer.connect)
+    daemons.append(daemon)
+    await daemon.start()
+    return daemon
 
 
 async def events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:

@@ -7,40 +7,16 @@ memory, so the test decides when each stream ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
-import pytest
 
 from dpu_frontend.daemon import Daemon
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.engine.conftest import serve_config
 from tests.engine.loopback import LoopbackPeer
-from tests.http.conftest import MODEL, events, next_event
+from tests.http.conftest import MODEL, events, next_event, start_daemon
 
 LONG = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1000, "stream": True}
-
-@pytest.fixture
-async def peer() -> LoopbackPeer:
-    return LoopbackPeer()
-
-
-@pytest.fixture
-async def daemons(peer: LoopbackPeer) -> AsyncIterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        await daemon.stop()
-
-
-async def start(daemons: list[Daemon], peer: LoopbackPeer, **overrides: Any) -> Daemon:
-    daemon = Daemon(serve_config(port=0, tokenizer_threads=1, **overrides), peer.connect)
-    daemons.append(daemon)
-    await daemon.start()
-    return daemon
-
 
 def aborted(daemon: Daemon, reason: str) -> float:
     return daemon.metrics.registry.get_sample_value(
@@ -49,7 +25,7 @@ def aborted(daemon: Daemon, reason: str) -> float:
 
 async def test_a_drain_refuses_new_work_and_lets_open_streams_finish(
         daemons: list[Daemon], peer: LoopbackPeer, vocab: Vocabulary) -> None:
-    daemon = await start(daemons, peer)
+    daemon = await start_daemon(daemons, peer)
     url = f"http://127.0.0.1:{daemon.port}"
     # A load balancer's probe: one keep-alive connection, opened before the drain
     # (the daemon stops accepting connections at once).
@@ -81,7 +57,7 @@ async def test_a_drain_refuses_new_work_and_lets_open_streams_finish(
 
 async def test_a_drain_that_times_out_ends_the_streams_with_an_error(
         daemons: list[Daemon], peer: LoopbackPeer) -> None:
-    daemon = await start(daemons, peer, drain_timeout_s=0.01)
+    daemon = await start_daemon(daemons, peer, drain_timeout_s=0.01)
     async with aiohttp.ClientSession() as http:
         resp = await http.post(f"http://127.0.0.1:{daemon.port}/v1/completions", json=LONG)
         (arrival,) = await peer.gpu.wait_for(1)

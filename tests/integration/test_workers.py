@@ -11,11 +11,13 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import trustme
 
 from dpu_frontend.control.stats import peer_stats
 from tests.integration.lifecycle import endings, eventually, outcome, read_events
 from tests.integration.test_metrics import PROMTOOL
 from tests.stack import MODEL, Stack, running_stack
+from tests.tls import Files, handshake, served, trusting
 
 REQUESTS = 24
 #: --drain-timeout 5: the supervisor gives its workers 5 + 5 (close) + 5 s, then SIGKILL.
@@ -184,3 +186,35 @@ async def test_sighup_reloads_the_api_keys_of_every_worker(tmp_path: Path) -> No
 
         await eventually(reloaded, "a worker never reloaded its keys")
         assert await statuses("old-key-0123456789abcdef") == [401] * 16
+
+
+async def test_sighup_rotates_the_tls_certificate_of_every_worker_and_keeps_open_streams(
+        tmp_path: Path) -> None:
+    """HTTPS with two workers: after the files change and SIGHUP, every new connection is
+    served the new certificate, while a stream opened before runs to its end."""
+    ca = trustme.CA()
+    files = Files(tmp_path / "cert.pem", tmp_path / "key.pem")
+    old = files.install(ca.issue_cert("127.0.0.1"))
+    trust = trusting(ca)
+    with running_stack("shm", tokens_per_s=20, timeout=120, peer_args=("--channels", "2"),
+                       serve_args=("--workers", "2", "--tls-cert-file", str(files.cert),
+                                   "--tls-key-file", str(files.key))) as stack:
+        assert stack.base_url.startswith("https://")
+
+        async def certificates() -> set[str]:
+            return set(await asyncio.gather(*(handshake(stack.base_url, trust)
+                                              for _ in range(16))))
+
+        assert await certificates() == {old}
+        body = {"model": MODEL, "prompt": "rotate", "max_tokens": 40, "stream": True}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trust)) as http, \
+                http.post(f"{stack.base_url}/v1/completions", json=body) as before:
+            assert served(before) == old
+            new = files.install(ca.issue_cert("127.0.0.1"))
+            stack.daemon.send_signal(signal.SIGHUP)
+
+            async def rotated() -> bool:
+                return await certificates() == {new}
+
+            await eventually(rotated, "a worker never reloaded its certificate", limit=30)
+            assert outcome(await read_events(before)) == "finished"
