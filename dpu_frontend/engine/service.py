@@ -147,14 +147,15 @@ class Service:
                              f"tokens. However, {detail}.", param=param,
                              code="context_length_exceeded")
 
-    def check_length(self, prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
-        """The prompt and ``max_tokens`` must fit the context; the error names the
-        prompt's parameter when the prompt alone leaves no room, else ``max_tokens``."""
-        if prompt_tokens + max_tokens > self.max_model_len:
+    def fit(self, prompt_tokens: int, max_tokens: int, prompt_param: str) -> int:
+        """``max_tokens``, capped at the context the prompt leaves: a completion that reaches
+        the end of the context ends there with finish_reason "length", as one that reaches
+        ``max_tokens`` does. A prompt that leaves no room at all is refused, naming it."""
+        if prompt_tokens >= self.max_model_len:
             raise self._too_long(
-                f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                f"prompt, {max_tokens} for the completion)",
-                "max_tokens" if prompt_tokens < self.max_model_len else prompt_param)
+                f"your prompt has {prompt_tokens} tokens, which leaves no room for a "
+                "completion", prompt_param)
+        return min(max_tokens, self.max_model_len - prompt_tokens)
 
     def submit(self, prompt: list[int], params: SamplingParams,
                options: TextOptions = TextOptions()) -> Generation:

@@ -35,7 +35,8 @@ def create_app(service: Service, model_name: str, metrics: Metrics,
     app.on_response_prepare.append(add_request_id)
     created = int(time.time())
     # Whether keys are required is fixed at start: a reload must find at least one.
-    spec = openapi.build(model_name, keys.config.exempt_paths if keys.enabled else None)
+    spec = openapi.build(model_name, keys.config.exempt_paths if keys.enabled else None,
+                         service.vocab.tokenizer.get_vocab_size())
     tokenize = TokenizeHandlers(service, model_name)
 
     async def health(request: web.Request) -> web.Response:

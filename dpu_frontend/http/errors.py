@@ -96,9 +96,11 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        # 405 keeps its Allow header (RFC 9110 section 15.5.6 requires it).
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return web.json_response(
             error_body(exc.reason, "invalid_request_error" if exc.status < 500 else "server_error",
-                       None, exc.status), status=exc.status)
+                       None, exc.status), status=exc.status, headers=allow)
     except (RequestError, PeerError) as exc:
         status, body = body_for(exc)
         log.info("%s %s -> %d: %s", request.method, request.path, status, exc)

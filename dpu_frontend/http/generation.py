@@ -118,8 +118,9 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             self.service.check_ids(prompt, self.prompt_param)
         self.service.check_ids(req.stop_token_ids, "stop_token_ids")
         longest = max(len(p) for p in prompts)
-        max_tokens = self.requested_max_tokens(req) or max(1, self.default_max_tokens(longest))
-        self.service.check_length(longest, max_tokens, self.prompt_param)
+        max_tokens = self.service.fit(longest, self.requested_max_tokens(req)
+                                      or max(1, self.default_max_tokens(longest)),
+                                      self.prompt_param)
         each_chunk = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         job = Job(f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                   prompts, req.n, each_chunk)

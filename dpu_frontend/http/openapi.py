@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 
 from dpu_frontend import __version__
 from dpu_frontend.http.schemas import (
+    TOKEN_ID,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -43,12 +44,39 @@ def _errors(*statuses: int) -> dict[str, Any]:
             for s in statuses}
 
 
-def build(model_name: str, exempt: frozenset[str] | None = None) -> dict[str, Any]:
-    """``exempt``: with API keys configured, the paths served without one; None: no keys."""
+def _served(node: Any, model_name: str, vocab_size: int | None) -> None:
+    """What this daemon accepts, beyond the models' types: its one model name, and token
+    ids below its vocabulary's size. A request the schema allows is then one the daemon
+    serves, and a client (or a fuzzer) learns both limits from the document."""
+    if isinstance(node, list):
+        for item in node:
+            _served(item, model_name, vocab_size)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.pop(TOKEN_ID, False) and vocab_size is not None:
+        node["maximum"] = vocab_size - 1
+    properties = node.get("properties")
+    if isinstance(properties, dict) and "model" in properties:
+        model = properties["model"]
+        served = {"const": model_name, "description": "the served model's name"}
+        if "anyOf" in model:  # optional: the name, or null
+            model["anyOf"] = [served, {"type": "null"}]
+        else:
+            properties["model"] = served
+    for child in node.values():
+        _served(child, model_name, vocab_size)
+
+
+def build(model_name: str, exempt: frozenset[str] | None = None,
+          vocab_size: int | None = None) -> dict[str, Any]:
+    """``exempt``: with API keys configured, the paths served without one; None: no keys.
+    ``vocab_size``: token ids must be below it (None: only the ring's u32 bound)."""
     models: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest,
                                      TokenizeCompletionRequest, TokenizeChatRequest,
                                      DetokenizeRequest, ErrorResponse]
     _, schemas = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    _served(schemas, model_name, vocab_size)
     generation = {"200": {"description": "the completion; `text/event-stream` of chunks "
                                          "ending with `data: [DONE]` when `stream` is true",
                           "content": {"application/json": {}, "text/event-stream": {}}},

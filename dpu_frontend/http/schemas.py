@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -20,12 +21,30 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from dpu_frontend.errors import ModelNotFound, RequestError
 from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
 from dpu_frontend.text.chat_template import MAX_NESTING, nesting_exceeds, reserved_kwarg
 
-TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
+
+def _integral(value: Any) -> Any:
+    """3.0 is an integer in JSON Schema (any number with a zero fraction), as the served
+    /openapi.json says: it validates as 3. 3.5, "3" and true stay refused."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+#: Integer fields are strict, but a JSON number with a zero fraction (3.0) is one. The
+#: validator goes after the bounds: pydantic then writes them as minimum/maximum.
+INTEGRAL = BeforeValidator(_integral)
+#: Marks token ids in the schema: /openapi.json bounds them by the served vocabulary.
+TOKEN_ID = "x-token-id"
+TokenId = Annotated[int, Field(ge=0, le=U32_MAX, json_schema_extra={TOKEN_ID: True}), INTEGRAL]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenCount = Annotated[int, Field(ge=1, le=U32_MAX), INTEGRAL]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL]  # OpenAI's int64, or a u64
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 
@@ -71,17 +90,31 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+#: What the validators refuse beyond each field's type, said in /openapi.json as well:
+#: stream_options only with stream: true ...
+_STREAMING: JsonDict = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+#: ... and not both add_generation_prompt and continue_final_message set to true.
+_EXCLUSIVE: JsonDict = {"not": {
+    "required": ["add_generation_prompt", "continue_final_message"],
+    "properties": {"add_generation_prompt": {"const": True},
+                   "continue_final_message": {"const": True}}}}
+
+
 class SamplingFields(_Strict):
     """Fields both generation endpoints share; all go to the GPU side or the stop matcher."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING]})
+
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=U32_MAX)
+    max_tokens: TokenCount | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1), INTEGRAL] = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # OpenAI's int64, or a u64
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -89,7 +122,7 @@ class SamplingFields(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -129,7 +162,10 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Non-empty all the way down: an empty prompt encodes to no token at all.
+    prompt: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
 
 
 class TextPart(_Strict):
@@ -146,9 +182,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``content`` always a string (templates
+        read it unguarded; the schema lets it be absent or null, which is "")."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        else:
+            message["content"] = self.content or ""
         return message
 
 
@@ -158,22 +198,34 @@ def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | No
     return kwargs
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
+class _ChatRendering(_Strict):
+    """How the messages become a prompt: the fields both chat endpoints share."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [_EXCLUSIVE]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=U32_MAX)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(True, description=(
+        "end the prompt with the assistant's turn header; false by default when "
+        "continue_final_message is true"))
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     _check_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+    def _check_chat(self) -> Any:
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("add_generation_prompt and continue_final_message are "
+                                 "exclusive")
+            self.add_generation_prompt = False  # the default yields to the request's choice
         return self
+
+
+class ChatCompletionRequest(SamplingFields, _ChatRendering):
+    """``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, _EXCLUSIVE]})
+    max_completion_tokens: TokenCount | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -188,17 +240,11 @@ class TokenizeCompletionRequest(_Strict):
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_ChatRendering):
     """``POST /tokenize`` with chat messages (vLLM's shape)."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    _check_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
 
 class DetokenizeRequest(_Strict):

@@ -90,6 +90,9 @@ class ChatTemplate:
         self.source = source
         self.origin = origin
         self.special_tokens = special_tokens
+        # OpenAI's "developer" role is the system message of its newer models. A template
+        # that never names it would drop such a message without a word: it gets "system".
+        self.developer_as_system = "developer" not in source
         try:
             self._template = environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -112,6 +115,15 @@ class ChatTemplate:
             raise TemplateRaised(f"chat template input is nested too deeply (more than "
                                  f"{MAX_NESTING} levels of arrays and objects)",
                                  param="messages", code="chat_template_error")
+        if self.developer_as_system:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                        for m in messages]
+        final = messages[-1].get("content") if messages else None
+        opening = continue_final_message and not (isinstance(final, str) and final.strip())
+        if opening:
+            # Nothing to continue: the model writes the final message from its start. The
+            # template renders a marker in its place, and the prompt ends before it.
+            messages = [*messages[:-1], {**messages[-1], "content": _OPENING}]
         context = {**self.special_tokens, **(kwargs or {})}
         try:
             rendered = self._template.render(messages=messages, tools=None, documents=None,
@@ -124,16 +136,24 @@ class ChatTemplate:
                 RecursionError) as exc:  # RecursionError: a template that recurses itself
             raise TemplateRaised(f"chat template failed on these messages: {exc}",
                                  param="messages", code="chat_template_error") from exc
+        if opening:
+            at = str(rendered).rfind(_OPENING)
+            if at == -1:
+                raise TemplateRaised("continue_final_message: the template does not render "
+                                     "the final message", param="messages",
+                                     code="chat_template_error")
+            return str(rendered)[:at]
         if continue_final_message:
-            rendered = _cut_after_final_message(rendered, messages[-1].get("content"))
+            rendered = _cut_after_final_message(rendered, str(final))
         return str(rendered)
 
 
-def _cut_after_final_message(rendered: str, final: Any) -> str:
+#: Stands for the text of a final message that has none (continue_final_message).
+_OPENING = "\x00dpu-frontend:final-message\x00"
+
+
+def _cut_after_final_message(rendered: str, final: str) -> str:
     """End the prompt right after the last message's text, so the model continues it."""
-    if not isinstance(final, str) or not final.strip():
-        raise RequestError("continue_final_message needs a final message with text content",
-                           param="messages")
     stripped = final.strip()
     at = rendered.rfind(stripped)
     if at == -1:

@@ -192,11 +192,7 @@ def chat_body(text: str, **fields: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", {"model": MODEL, "prompt": [5] * 64}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [[5], [5] * 70]}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [5] * 60, "max_tokens": 5}, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": [5] * 50}, "max_tokens"),  # default 16
     ("/v1/chat/completions", chat_body("hi " * 70), "messages"),
-    ("/v1/chat/completions", chat_body("hi", max_tokens=60), "max_tokens"),
-    ("/v1/chat/completions", chat_body("hi", max_completion_tokens=60), "max_tokens"),
 ])
 async def test_the_context_error_names_the_right_parameter(
         make_frontend: Factory, path: str, body: dict[str, Any], param: str) -> None:
@@ -206,6 +202,27 @@ async def test_the_context_error_names_the_right_parameter(
                  code="context_length_exceeded")
     assert "maximum context length is 64 tokens" in (await resp.json())["error"]["message"]
     assert not front.gpu.arrivals
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 60, "max_tokens": 5}),
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 50}),  # the default 16
+    ("/v1/completions", {"model": MODEL, "prompt": [5] * 60, "max_tokens": 2**32 - 1}),
+    ("/v1/chat/completions", chat_body("hi", max_tokens=60)),
+    ("/v1/chat/completions", chat_body("hi", max_completion_tokens=60)),
+])
+async def test_max_tokens_past_the_context_is_capped_at_its_end(
+        make_frontend: Factory, path: str, body: dict[str, Any]) -> None:
+    """A prompt that leaves room is served: the completion may run to the end of the
+    context and no further, and then ends with finish_reason "length"."""
+    front = await make_frontend(max_model_len=64)
+    answering = asyncio.create_task(front.client.post(path, json=body))  # not streamed
+    (arrival,) = await front.gpu.wait_for(1)
+    assert arrival.record.params.max_tokens == 64 - len(arrival.prompt)
+    front.gpu.finish(arrival.record.request_id, (5,), finish=FinishReason.LENGTH)
+    resp = await answering
+    answer = await resp.json()
+    assert resp.status == 200 and answer["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(("path", "make_body", "param"), [
@@ -421,6 +438,31 @@ async def test_openapi_lists_every_status_a_body_route_answers(make_frontend: Fa
         assert set(responses) == {"200"} | statuses, path
         for status in statuses:
             assert responses[status]["content"]["application/json"]["schema"] == error
+
+
+async def test_openapi_names_the_served_model_and_bounds_token_ids_by_the_vocabulary(
+        make_frontend: Factory, vocab: Vocabulary) -> None:
+    """A request the document allows is one the daemon serves: an unknown model and an id
+    outside the vocabulary are refused by the schema already."""
+    front = await make_frontend()
+    schemas = (await (await front.client.get("/openapi.json")).json())["components"]["schemas"]
+    served = {"const": MODEL, "description": "the served model's name"}
+    assert schemas["CompletionRequest"]["properties"]["model"] == served
+    assert schemas["TokenizeChatRequest"]["properties"]["model"]["anyOf"][0] == served
+    top = vocab.tokenizer.get_vocab_size() - 1
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {
+        "type": "integer", "minimum": 0, "maximum": top}
+    assert "x-token-id" not in json.dumps(schemas)
+
+
+@pytest.mark.parametrize("method", ["TRACE", "PUT", "DELETE"])
+async def test_a_405_says_which_methods_are_allowed(make_frontend: Factory, method: str) -> None:
+    """RFC 9110 section 15.5.6: a 405 carries Allow, beside OpenAI's error body."""
+    front = await make_frontend()
+    for path, allowed in [("/v1/completions", "POST"), ("/v1/models", "GET")]:
+        resp = await front.client.request(method, path)
+        assert_error(resp.status, await resp.json(), 405, code=405)
+        assert allowed in resp.headers["Allow"]
 
 
 async def test_a_negative_seed_reaches_the_gpu_as_a_u64(make_frontend: Factory) -> None:

@@ -74,6 +74,28 @@ def test_continue_final_message_matches_hugging_face(name: str) -> None:
     assert ours.endswith("1, 2,")
 
 
+def test_continuing_a_final_message_without_text_starts_it() -> None:
+    """Nothing to continue: the prompt ends where the message's text would begin."""
+    template = load_chat_template(vocab("qwen3"), None)
+    assert template is not None
+    for final in ({"role": "assistant"}, {"role": "assistant", "content": ""}):
+        ours = template.render([{"role": "user", "content": "Hi"}, final],
+                               add_generation_prompt=False, continue_final_message=True)
+        # Qwen3 gives the turn after the last user message an empty thinking block.
+        assert ours.endswith("user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                             "<think>\n\n</think>\n\n")
+
+
+def test_a_developer_message_is_a_system_message_where_the_template_knows_no_developer() -> None:
+    """Qwen3's template renders system, user, assistant and tool, and would drop a
+    developer message without a word."""
+    template = load_chat_template(vocab("qwen3"), None)
+    assert template is not None and template.developer_as_system
+    rendered = template.render([{"role": "developer", "content": "Be brief."},
+                                {"role": "user", "content": "Hi"}])
+    assert rendered.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
 def test_template_file_with_raise_exception(tmp_path: Path) -> None:
     path = tmp_path / "strict.jinja"
     path.write_text(STRICT)

@@ -41,7 +41,7 @@ def chat(**fields: Any) -> ChatCompletionRequest:
     ({"stop": ["s"] * 17}, "stop"),
     ({"seed": -(2**63) - 1}, "seed"),  # below int64
     ({"seed": 2**64}, "seed"),  # above u64
-    ({"seed": 1.0}, "seed"),
+    ({"seed": 1.5}, "seed"),  # 1.0 is the integer 1 (JSON Schema)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_refusals_name_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -137,3 +137,40 @@ def test_template_kwargs_may_not_name_a_render_argument(key: str, model: type[An
     assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
     assert f"may not set '{key}'" in info.value.message
     assert chat(chat_template_kwargs={"enable_thinking": False, "bos_token": "<s>"})
+
+
+def test_a_number_with_a_zero_fraction_is_an_integer() -> None:
+    """JSON Schema's integer: 3.0 is one (schemathesis sends it, and the document allows it)."""
+    req = completion(n=3.0, max_tokens=5.0, top_k=2.0, seed=-1.0, stop_token_ids=[7.0],
+                     prompt=[1.0, 2])
+    assert (req.n, req.max_tokens, req.top_k, req.seed) == (3, 5, 2, 2**64 - 1)
+    assert req.stop_token_ids == [7] and req.prompt == [1, 2]
+    for fields in ({"n": 2.5}, {"max_tokens": 2.5}, {"prompt": [1.5]}):
+        with pytest.raises(RequestError):
+            completion(**fields)
+
+
+def test_continue_final_message_alone_turns_the_generation_prompt_off() -> None:
+    """The default add_generation_prompt yields; only both set true by the client clash."""
+    req = chat(continue_final_message=True)
+    assert (req.add_generation_prompt, req.continue_final_message) == (False, True)
+    tokenize = parse(TokenizeChatRequest, json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}).encode())
+    assert tokenize.add_generation_prompt is False
+    with pytest.raises(RequestError, match="exclusive"):
+        parse(TokenizeChatRequest, json.dumps({
+            "messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+            "add_generation_prompt": True}).encode())
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], [[1], []]])
+def test_an_empty_prompt_is_refused_by_the_schema(prompt: Any) -> None:
+    with pytest.raises(RequestError) as info:
+        completion(prompt=prompt)
+    assert info.value.param == "prompt"
+
+
+def test_a_message_without_content_reaches_the_template_as_empty_text() -> None:
+    req = chat(messages=[{"role": "assistant"}, {"role": "user", "content": None}])
+    assert [m.for_template() for m in req.messages] == [
+        {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
