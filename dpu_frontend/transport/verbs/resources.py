@@ -24,6 +24,13 @@ log = logging.getLogger("dpu_frontend.rdma")
 # RC connection attributes. Named so that an operator reading a packet trace
 # or an mlx5 counter can map them back.
 TIMEOUT = 14  # local ACK timeout: 4.096 us * 2**14 = 67 ms per retry
+# soft-RoCE answers from a CPU's softirq, and a busy or emulated CPU (the test micro-VM)
+# delays answers past 67 ms: the requester then retransmits answers that were only late.
+# Under QEMU's software CPU that cost 0.5 s batches, and rxe's retry path (Debian 12's
+# 6.1 kernel) once left a batch that never completed. 2**18 (1.07 s, NCCL's default
+# timeout) made the retransmissions disappear there (docs/reliability.md).
+TIMEOUT_SOFT_ROCE = 18
+RXE_VENDOR_ID = 0xFFFFFF  # what rdma_rxe reports as its vendor
 RETRY_CNT = 7  # transport retries before the QP goes to error
 RNR_RETRY = 7  # 7 = retry forever on receiver-not-ready (we post no receives anyway)
 MIN_RNR_TIMER = 12
@@ -76,6 +83,7 @@ class RdmaResources:
         self.cq: Any = None
         self.active_mtu: int = 0
         self.max_rd_atomic = MAX_RD_ATOMIC
+        self.ack_timeout = TIMEOUT
         self._mrs: list[Any] = []
         self._qps: list[Any] = []
 
@@ -94,13 +102,15 @@ class RdmaResources:
             attr = self.ctx.query_device()
             self.max_rd_atomic = max(1, min(MAX_RD_ATOMIC, attr.max_qp_rd_atom,
                                             attr.max_qp_init_rd_atom))
+            self.ack_timeout = TIMEOUT_SOFT_ROCE if attr.vendor_id == RXE_VENDOR_ID else TIMEOUT
             self.pd = compat.module("pd").PD(self.ctx)
             self.cq = self.create_cq()
         except compat.module("errors").PyverbsError as exc:
             self.close()
             raise StartupError(f"cannot open RDMA device {self.gid.device}: {exc}") from exc
-        log.info("opened %s port %d gid[%d]=%s mtu=%d", self.gid.device, self.gid.port,
-                 self.gid.index, self.gid.gid, 128 << self.active_mtu)
+        log.info("opened %s port %d gid[%d]=%s mtu=%d ack timeout %.0f ms", self.gid.device,
+                 self.gid.port, self.gid.index, self.gid.gid, 128 << self.active_mtu,
+                 4.096e-3 * 2**self.ack_timeout)
 
     def create_cq(self) -> Any:
         return compat.module("cq").CQ(self.ctx, CQ_DEPTH, None, None, 0)
@@ -156,7 +166,7 @@ class RdmaResources:
         attr.max_dest_rd_atomic = self.max_rd_atomic
         attr.max_rd_atomic = self.max_rd_atomic
         attr.min_rnr_timer = MIN_RNR_TIMER
-        attr.timeout = TIMEOUT
+        attr.timeout = self.ack_timeout
         attr.retry_cnt = RETRY_CNT
         attr.rnr_retry = RNR_RETRY
         route = addr.GlobalRoute(dgid=addr.GID(remote.gid), sgid_index=self.gid.index,
