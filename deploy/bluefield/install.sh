@@ -20,7 +20,7 @@ CONFIG=/etc/dpu-frontend/config.toml
 
 apt-get update -q
 DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-  python3 python3-venv rdma-core ibverbs-utils python3-pyverbs
+  python3 python3-venv rdma-core ibverbs-utils python3-pyverbs libatomic1
 
 if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "dpu-frontend needs Python >= 3.11; this system's python3 is $(python3 -c 'import platform; print(platform.python_version())')." >&2
