@@ -45,6 +45,11 @@ GAUGE_INTERVAL_S = 1.0
 #: shm regions and RDMA device files, the tokenizer's files, logs, the metrics directory,
 #: epoll, and the instant a connection over ``max_connections`` is open to be refused.
 FILES_MARGIN = 256
+#: Connections the kernel completes before the daemon accepts them. aiohttp's 128 lost
+#: connections in a burst of 500 (the handshake's last ACK dropped while the queue was
+#: full, the client left believing it was connected); the kernel caps this at
+#: net.core.somaxconn (4096 by default since Linux 5.4).
+LISTEN_BACKLOG = 4096
 
 
 def raise_open_files_limit() -> int:
@@ -104,7 +109,8 @@ class Daemon:
         await self.runner.setup()
         # Workers share the port: the kernel spreads connections over them.
         self.site = web.TCPSite(self.runner, cfg.host, cfg.port,
-                                ssl_context=ssl_context, reuse_port=cfg.worker_index is not None)
+                                ssl_context=ssl_context, backlog=LISTEN_BACKLOG,
+                                reuse_port=cfg.worker_index is not None)
         await self.site.start()
         self.port = self.runner.addresses[0][1]
         # Set before the ready line: a supervisor's scrape sees this worker's state at once.
