@@ -189,6 +189,9 @@ class ServeConfig:
     idle_timeout_s: float = field(default=15.0, metadata=about(
         "seconds a client connection may go without a complete request head, idle between "
         "requests or sending its headers slowly (slowloris), before it is closed"))
+    body_timeout_s: float = field(default=30.0, metadata=about(
+        "seconds a client may take to send its request body after the head (a slow POST); "
+        "past it, 408 and the connection closed"))
     stream_buffer_records: int = field(default=4096, metadata=about(
         "response records buffered for one slow client before it is cut off"))
     drain_timeout_s: float = field(default=30.0, metadata=about(
@@ -228,8 +231,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_streams_per_key < 0 or self.max_connections < 0:
             raise ValueError("max_streams_per_key and max_connections must be >= 0 (0: no limit)")
-        if self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be > 0")
+        if self.idle_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ValueError("idle_timeout_s and body_timeout_s must be > 0")
         for path in self.exempt_paths:
             if not path.startswith("/"):
                 raise ValueError(f"auth_exempt_paths: {path!r} is not a path (starts with /)")

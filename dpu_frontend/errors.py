@@ -22,6 +22,7 @@ class RequestError(DpuFrontendError):
 
     status = 400
     type = "invalid_request_error"
+    close_connection = False  # True: the connection is closed after the answer
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -68,6 +69,18 @@ class Unauthorized(RequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="invalid_api_key")
+
+
+class BodyTooSlow(RequestError):
+    """The request body did not arrive within ``body_timeout_s`` of its head (408: the
+    server timed out waiting for the request); the connection is closed after it."""
+
+    status = 408
+    close_connection = True  # the rest of the body may still come: nothing to reuse
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the request body did not arrive within {timeout_s:g} s "
+                         "(body_timeout_s)", code="request_timeout")
 
 
 class TooManyStreams(RequestError):

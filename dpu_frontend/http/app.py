@@ -9,11 +9,13 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dpu_frontend import __version__
 from dpu_frontend.engine.service import Service
+from dpu_frontend.errors import BodyTooSlow
 from dpu_frontend.http import openapi
 from dpu_frontend.http.auth import ApiKeys, authenticate
 from dpu_frontend.http.chat import ChatCompletionsHandler
@@ -30,7 +32,8 @@ def create_app(service: Service, model_name: str, metrics: Metrics,
     # by aiohttp as soon as a chunked one grows past it (the error boundary: 413).
     # The keys are checked inside the boundary, which answers and counts their 401s.
     keys = keys if keys is not None else ApiKeys(service.config)
-    app = web.Application(middlewares=[boundary(metrics), authenticate(keys)],
+    app = web.Application(middlewares=[boundary(metrics), authenticate(keys),
+                                       body_within(service.config.body_timeout_s)],
                           client_max_size=service.config.max_request_bytes)
     app.on_response_prepare.append(add_request_id)
     created = int(time.time())
@@ -115,6 +118,30 @@ class _BoundedServer(web.Server):
         super().connection_lost(handler, exc)
 
 
+#: After an answer sent before the whole body was read (413, 408), how long aiohttp keeps
+#: reading what the client still sends, so that it reads the answer rather than a reset.
+#: aiohttp's 10 s would let a client that trickles its body keep the connection that long.
+LINGER_S = 2.0
+
+
+def body_within(timeout_s: float) -> Middleware:
+    """Read the whole body (aiohttp keeps it for the handler) within ``timeout_s`` of the
+    head, after the key is checked: a client that trickles its body (slow POST) holds a
+    connection and a handler only that long, then gets 408 and is disconnected."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()
+            except TimeoutError:
+                raise BodyTooSlow(timeout_s) from None  # answered, then the connection closed
+        return await handler(request)
+
+    return middleware
+
+
 class BoundedRunner(web.AppRunner):
     """An ``AppRunner`` whose server holds at most ``max_connections`` connections and closes
     one that has not sent a complete request head within ``idle_timeout_s`` (aiohttp's
@@ -122,7 +149,8 @@ class BoundedRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, *, max_connections: int, idle_timeout_s: float,
                  metrics: Metrics, **kwargs: Any) -> None:
-        super().__init__(app, keepalive_timeout=idle_timeout_s, **kwargs)
+        super().__init__(app, keepalive_timeout=idle_timeout_s, lingering_time=LINGER_S,
+                         **kwargs)
         self.max_connections = max_connections
         self._refused = metrics.refused_connections
 

@@ -104,7 +104,10 @@ async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (RequestError, PeerError) as exc:
         status, body = body_for(exc)
         log.info("%s %s -> %d: %s", request.method, request.path, status, exc)
-        return web.json_response(body, status=status, headers=headers_for(exc))
+        response = web.json_response(body, status=status, headers=headers_for(exc))
+        if getattr(exc, "close_connection", False):
+            response.force_close()
+        return response
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
         if request.writer.output_size > 0:

@@ -16,6 +16,7 @@ from pytest_aiohttp import AiohttpClient
 
 import dpu_frontend.engine.service as service_module
 from dpu_frontend.config import ServeConfig
+from dpu_frontend.daemon import Daemon
 from dpu_frontend.engine.choices import ChoiceDelta
 from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
@@ -26,7 +27,8 @@ from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.chat_template import MAX_NESTING
 from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary
-from tests.http.conftest import MODEL, Factory, Frontend, events
+from tests.engine.loopback import LoopbackPeer
+from tests.http.conftest import MODEL, Factory, Frontend, events, start_daemon
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
 BODY_ROUTES = [*GENERATION, "/tokenize", "/detokenize"]
@@ -523,3 +525,32 @@ async def test_a_stream_that_overflows_its_buffer_ends_with_an_error_event(
     error = (await events(resp))[-1]["error"]
     assert error["type"] == "client_too_slow" and error["code"] == "stream_buffer_overflow"
     assert "client read too slowly" in error["message"]
+
+
+async def test_a_body_that_trickles_gets_408_and_the_connection_closed(
+        daemons: list[Daemon], peer: LoopbackPeer) -> None:
+    """A slow POST: the head in time, then a byte of the body now and then. The head's
+    idle timer no longer runs; body_timeout_s bounds the rest, and the connection is
+    closed after the answer (within the daemon's 2 s linger)."""
+    daemon = await start_daemon(daemons, peer, body_timeout_s=0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+
+    async def drip() -> None:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        for _ in range(200):
+            writer.write(b" ")
+            await asyncio.sleep(0.05)
+
+    dripping = asyncio.create_task(drip())
+    try:
+        async with asyncio.timeout(5):
+            answer = await reader.read()  # to the end: the daemon closes the connection
+        assert answer.startswith(b"HTTP/1.1 408")
+        body = answer.partition(b"\r\n\r\n")[2]
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert not dripping.done()  # cut off while the client was still sending
+    finally:
+        dripping.cancel()
+        writer.close()
+    assert not peer.gpu.arrivals
