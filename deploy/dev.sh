@@ -143,8 +143,8 @@ run_tests() {
       "(with their venv and root), RDMA part $((t2 - tmin)) s, total $((t2 - t0)) s"
   local strict=(--require-no-skips "$BUILD/rdma-junit.xml")
   [ "$(dpkg --print-architecture)" != amd64 ] || strict+=(--require-no-skips "$BUILD/arm64-junit.xml")
-  "$VENV/bin/python" -m tests.tools.junit_gate "$BUILD/native-junit.xml" \
-    "$BUILD/lower-bounds-junit.xml" "${strict[@]}" || exit 1
+  "$VENV/bin/python" -m tests.tools.junit_gate "$BUILD/native-junit.xml" "$BUILD/lower-bounds-junit.xml" \
+    "${strict[@]}" || exit 1
   [ "$native_rc" -eq 0 ] && [ "$min_rc" -eq 0 ] && [ "$arm_rc" -eq 0 ] && [ "$rdma_rc" -eq 0 ]
 }
 
