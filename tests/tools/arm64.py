@@ -108,9 +108,10 @@ def in_root(root: Path, site: Path, command: list[str]) -> int:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": f"/opt/site:{ROOT}",
            "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8",
            **{k: v for k, v in os.environ.items() if k.startswith("DPU_FRONTEND_")}}
-    mounts = [("--bind", ROOT, root / str(ROOT).lstrip("/")), ("--bind", site, root / "opt/site"),
-              ("-t proc", "proc", root / "proc"), ("--bind", "/dev", root / "dev"),
-              ("-t tmpfs", "tmpfs", root / "dev/shm"), ("-t tmpfs", "tmpfs", root / "tmp")]
+    # The repository last: a checkout under /tmp must not be hidden by the root's /tmp.
+    mounts = [("-t proc", "proc", root / "proc"), ("--bind", "/dev", root / "dev"),
+              ("-t tmpfs", "tmpfs", root / "dev/shm"), ("-t tmpfs", "tmpfs", root / "tmp"),
+              ("--bind", site, root / "opt/site"), ("--bind", ROOT, root / str(ROOT).lstrip("/"))]
     script = ["set -e"]
     for kind, source, target in mounts:
         script.append(f"mkdir -p {shlex.quote(str(target))}")
