@@ -1,0 +1,123 @@
+"""The model's decode step against its memory-bandwidth bound.
+
+A decode step reads every weight once and the K and V of every token of every
+sequence in the batch once. Its bound is those bytes over the GPU's copy
+bandwidth, measured in the same run (a device-to-device copy of a 4 GiB
+buffer: read and write counted). For each batch size the benchmark builds
+that many sequences of ``--context`` tokens in the paged cache and times the
+step from the host's call to its completion (metadata, forward, logits,
+sampling), best and median of ``--iters``.
+
+    python -m benchmarks.model_step                         # bf16, Qwen3-0.6B shapes
+    python -m benchmarks.model_step --batch 1 8 64 256 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.common import record
+from dpu_frontend.model.blocks import BlockPool, BlockTable
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.runner import ModelRunner, RunnerOptions
+from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
+from dpu_frontend.ring.records import SamplingParams
+
+
+def copy_bandwidth(device: torch.device, size: int = 4 << 30) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write)."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * size / best
+
+
+def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) -> Batch:
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    works = []
+    for i in range(size):
+        seq = Sequence(i, context, params, seed=i, limit=1 << 30, table=BlockTable(pool), slot=i,
+                       computed=context, generated=1, status=Status.RUNNING)
+        if not seq.table.reserve(context + 1):
+            raise SystemExit(f"the KV cache has no room for {size} x {context} tokens")
+        works.append(Work(seq, context, 1, True))
+    return Batch(works=works)
+
+
+def profile(runner: ModelRunner, batch: Batch) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.step(batch)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the GPU kernels' share of the largest batch's step")
+    args = ap.parse_args(argv)
+
+    config = ModelConfig.default()
+    biggest = max(args.batch)
+    runner = ModelRunner(config, RunnerOptions(dtype=args.dtype, max_seqs=biggest,
+                                               max_model_len=args.context + 64,
+                                               cuda_graphs=not args.eager))
+    runner.load()
+    bandwidth = copy_bandwidth(runner.device)
+    element = torch.finfo(runner.dtype).bits // 8
+    weight_bytes = config.parameter_count() * element
+    figures: dict[str, object] = {
+        "device": torch.cuda.get_device_name(runner.device),
+        "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
+        "weights, GB": round(weight_bytes / 1e9, 3), "context": args.context,
+        "CUDA graphs": not args.eager,
+    }
+    for size in args.batch:
+        pool = BlockPool(runner.num_blocks, runner.options.block_size)
+        batch = decode_batch(runner, pool, size, args.context)
+        for _ in range(3):
+            runner.step(batch)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runner.step(batch)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        kv_bytes = size * (args.context + 1) * config.kv_bytes_per_token(element)
+        bound = (weight_bytes + kv_bytes) / bandwidth
+        best, median = min(times), statistics.median(times)
+        figures[f"batch {size}: step best / median, ms"] = f"{best * 1e3:.3f} / {median * 1e3:.3f}"
+        figures[f"batch {size}: bound, ms (weights + {kv_bytes / 1e9:.2f} GB KV)"] = round(bound * 1e3, 3)
+        figures[f"batch {size}: step / bound"] = round(best / bound, 2)
+    record("model_step", figures)
+    if args.profile:
+        profile(runner, decode_batch(runner, BlockPool(runner.num_blocks, runner.options.block_size),
+                                     biggest, args.context))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

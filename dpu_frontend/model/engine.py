@@ -1,0 +1,131 @@
+"""The host-driven engine loop: schedule, run, retire.
+
+``ModelEngine.step`` is the whole loop body: the scheduler picks the batch,
+the runner runs it on the GPU, and the drawn tokens are judged against each
+sequence's stop conditions (the ring protocol's rules, docs/protocol.md
+section 9: an EOS or stop id ends the sequence and is not emitted, unless
+``ignore_eos`` makes EOS an ordinary token; ``max_tokens`` and the context
+end it with ``length``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from dpu_frontend.model.blocks import BlockPool
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.runner import ModelRunner
+from dpu_frontend.model.scheduler import Scheduler, Sequence
+from dpu_frontend.ring.records import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    max_batched_tokens: int = 2048
+    #: Log probabilities with this many alternatives (-1: none).
+    top_logprobs: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One step's outcome for one sequence."""
+
+    seq_id: int
+    token: int | None  # None when the step ended the sequence without a token
+    finish: FinishReason
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish: FinishReason = FinishReason.NONE
+
+
+class ModelEngine:
+    def __init__(self, config: ModelConfig, runner: ModelRunner, options: EngineOptions) -> None:
+        self.config = config
+        self.runner = runner
+        self.options = options
+        ro = runner.options
+        self.scheduler = Scheduler(BlockPool(runner.num_blocks, ro.block_size),
+                                   max_seqs=ro.max_seqs,
+                                   max_batched_tokens=options.max_batched_tokens,
+                                   max_model_len=ro.max_model_len)
+        self.eos = frozenset(config.eos_token_ids)
+        self._prompts: dict[int, list[int]] = {}
+        self._seqs: dict[int, Sequence] = {}
+
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already running")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt):
+            raise ValueError("a prompt token id is outside the vocabulary")
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self._seqs[seq_id] = self.scheduler.add(seq_id, len(prompt), params, seed)
+        self._prompts[seq_id] = prompt
+
+    def cancel(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._prompts.pop(seq_id, None)
+            self.scheduler.finish(seq)
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def step(self) -> list[TokenEvent]:
+        batch = self.scheduler.schedule()
+        for seq in batch.admitted:
+            self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
+        drawn = self.runner.step(batch, self.options.top_logprobs)
+        self.scheduler.commit(batch)
+        if drawn is None:
+            return []
+        tokens = drawn.tokens.tolist()
+        chosen = drawn.logprob.tolist() if drawn.logprob is not None else None
+        top_ids = drawn.top_ids.tolist() if drawn.top_ids is not None else None
+        top_lps = drawn.top_logprobs.tolist() if drawn.top_logprobs is not None else None
+        events = []
+        sampled = [w.seq for w in batch.works if w.sample]
+        for i, seq in enumerate(sampled):
+            token = tokens[i]
+            finish = self._finish(seq, token)
+            emitted = finish is not FinishReason.STOP
+            top = tuple(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else ()
+            events.append(TokenEvent(seq.seq_id, token if emitted else None, finish,
+                                     chosen[i] if chosen and emitted else None,
+                                     top if emitted else ()))
+            if finish is not FinishReason.NONE:
+                self._seqs.pop(seq.seq_id, None)
+                self.scheduler.finish(seq)
+        return events
+
+    def _finish(self, seq: Sequence, token: int) -> FinishReason:
+        p = seq.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.total >= seq.limit:
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion (tests and benchmarks)."""
+        out = [Completion() for _ in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self.add(i, prompt, p)
+        while not self.idle:
+            for ev in self.step():
+                c = out[ev.seq_id]
+                if ev.token is not None:
+                    c.tokens.append(ev.token)
+                    if ev.logprob is not None:
+                        c.logprobs.append(ev.logprob)
+                        c.top.append(ev.top)
+                c.finish = ev.finish
+        return out

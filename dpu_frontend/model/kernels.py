@@ -1,0 +1,248 @@
+# Triton kernels' parameters are typed by the JIT (pointers, constexprs), not by hints.
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""The engine's own GPU kernels (Triton): linear layers, RMSNorm, paged attention.
+
+Every kernel here is **batch-invariant**: a row's result does not depend on
+how many other rows share the launch or where it sits among them. Each output
+element is reduced in one fixed order, set by a tile configuration chosen per
+weight shape and dtype, never per batch size (cuBLAS picks its algorithm by
+M, and a sequence's logits would then change with the batch). That is what
+makes a seeded sequence's tokens the same alone and inside a batch, and a
+prompt prefilled in chunks the same as in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Rows (tokens x query heads of a KV group) per attention program.
+ATTN_ROWS = 64
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 runs as float32 (the exactness tests); TF32 would not match.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y
+    if x.dtype == torch.float32:
+        bm, bn, bk, warps, stages = 32, 64, 32, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=_precision(x.dtype),
+                         num_warps=warps, num_stages=stages)
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    # As HF's Qwen3RMSNorm: normalize in float32, round to the input dtype, then
+    # multiply by the weight in that dtype.
+    y = (x * rstd).to(w.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, one program per row."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty_like(rows)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, n, rows.stride(0), y.stride(0), eps,
+                                           BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return y.view(x.shape)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr,
+    q_start_ptr, q_len_ptr, ctx_start_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_ot, stride_oh, stride_table,
+    scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_row_ptr + tile)  # the tile's first query token within the sequence's work
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_len_ptr + seq)
+    ctx_start = tl.load(ctx_start_ptr + seq)
+
+    r = tl.arange(0, ROWS)
+    token = first + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    valid = token < q_len
+    pos = ctx_start + token  # the query's position: it sees keys 0..pos
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+    last = ctx_start + tl.minimum(first + ROWS // GROUP, q_len) - 1  # the tile's largest position
+    n = tl.arange(0, PAGE)
+    for page in range(0, last // PAGE + 1):
+        block = tl.load(tables_ptr + seq * stride_table + page).to(tl.int64)
+        base = block * stride_kb + kv_head * stride_kh
+        k = tl.load(k_ptr + base + n[:, None] * stride_ks + d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        key_pos = page * PAGE + n
+        s = tl.where((key_pos[None, :] <= pos[:, None]) & valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet (padding rows) keep m = -inf: guard the NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + base + n[:, None] * stride_ks + d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: torch.Tensor, tile_seq: torch.Tensor, tile_row: torch.Tensor,
+                    q_start: torch.Tensor, q_len: torch.Tensor, ctx_start: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
+
+    Sequence ``s`` owns query rows ``q_start[s] .. q_start[s] + q_len[s]``, at
+    positions from ``ctx_start[s]``, and its keys are its block table's first
+    pages. The work is cut into tiles of ``ATTN_ROWS // group`` query tokens
+    (``tile_seq``, ``tile_row``: the sequence and its first token), one program
+    per tile and KV head.
+    """
+    _, hq, dim = q.shape
+    _, hkv, page, _ = k_cache.shape
+    group = hq // hkv
+    if tile_seq.shape[0] == 0:
+        return
+    _paged_attention_kernel[(tile_seq.shape[0], hkv)](
+        q, k_cache, v_cache, out, tables, tile_seq, tile_row, q_start, q_len, ctx_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), tables.stride(0), dim ** -0.5,
+        GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=ATTN_ROWS, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, cache_ptr, cache_slot_ptr,
+                 stride_xt, stride_xh, stride_ct, stride_cb, stride_ch, stride_cs,
+                 HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr, TO_CACHE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, HEADS_P2)
+    half = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < HEADS)[:, None]
+    pos = tl.load(pos_ptr + t)
+    x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
+    partner = tl.where(d < half, d + half, d - half)
+    other = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + partner[None, :], mask=mask,
+                    other=0.0)
+    rotated = tl.where(d[None, :] < half, -other, other)
+    cos = tl.load(cos_ptr + pos * stride_ct + d)
+    sin = tl.load(sin_ptr + pos * stride_ct + d)
+    # As torch computes x * cos + rotate_half(x) * sin in the model dtype: each
+    # product rounded to it, then the sum.
+    a = (x.to(tl.float32) * cos.to(tl.float32)[None, :]).to(x.dtype)
+    b = (rotated.to(tl.float32) * sin.to(tl.float32)[None, :]).to(x.dtype)
+    y = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+    # Every load of the row is done before this store: in place is safe.
+    tl.debug_barrier()
+    tl.store(out_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :], y, mask=mask)
+    if TO_CACHE:
+        slot = tl.load(cache_slot_ptr + t)
+        block = slot // PAGE
+        offset = slot % PAGE
+        tl.store(cache_ptr + block * stride_cb + h[:, None] * stride_ch + offset * stride_cs + d[None, :],
+                 y, mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+         cache: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE (``rotate_half``) on ``x`` [T, heads, D] in place; with ``cache``
+    [blocks, heads, PAGE, D], the result is also stored at ``cache_slots``."""
+    t, heads, dim = x.shape
+    if t == 0:
+        return x
+    if cache is None or cache_slots is None:  # the cache arguments are unused: any tensor
+        cache, cache_slots, to_cache = x.view(t, heads, 1, dim), positions, False
+    else:
+        to_cache = True
+    _rope_kernel[(t,)](x, cos, sin, positions, x, cache, cache_slots,
+                       x.stride(0), x.stride(1), cos.stride(0),
+                       cache.stride(0), cache.stride(1), cache.stride(2),
+                       HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HEAD_DIM=dim,
+                       PAGE=cache.shape[2], TO_CACHE=to_cache, num_warps=4)
+    return x
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # torch: silu in float32 rounded to the dtype, then the product rounded.
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``x`` = [gate | up] of [T, 2I]."""
+    t, n2 = x.shape
+    n = n2 // 2
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, y, n, x.stride(0), y.stride(0), BLOCK=block,
+                                                   num_warps=4)
+    return y

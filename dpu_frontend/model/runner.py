@@ -1,0 +1,204 @@
+"""The one object that owns the GPU: weights, KV cache, per-slot token buffers.
+
+``step`` runs one scheduled batch: it gathers the batch's input tokens from
+the device-side token buffer (prompts and every sampled token live there, so
+token values never travel through the host between steps), runs the model,
+samples the sequences due to sample, and writes the drawn tokens back into
+the buffer. The host builds only the batch's metadata: positions, cache
+slots, block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpu_frontend.model.checkpoint import Checkpoint
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.graphs import DecodeGraphs
+from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
+from dpu_frontend.model.sampler import Drawn, Sampler, batch_params
+from dpu_frontend.model.scheduler import Batch, Sequence
+
+log = logging.getLogger("dpu_frontend.model")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How the model is placed on the GPU."""
+
+    dtype: str = "bfloat16"
+    device: int = 0
+    #: Checkpoint directory (HF layout, safetensors); None: seeded random weights.
+    weights: Path | None = None
+    weight_seed: int = 0
+    block_size: int = 32
+    #: KV cache blocks; 0: as many as ``memory_fraction`` of the GPU leaves.
+    num_blocks: int = 0
+    memory_fraction: float = 0.85
+    max_seqs: int = 256
+    max_model_len: int = 8192
+    #: Decode steps as CUDA graphs (one per batch-size bucket); False: eager.
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.block_size not in (16, 32, 64):
+            raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
+        if not 0.1 <= self.memory_fraction <= 0.98:
+            raise ValueError(f"memory_fraction {self.memory_fraction} is outside [0.1, 0.98]")
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, options: RunnerOptions) -> None:
+        self.config = config
+        self.options = options
+        self.dtype = DTYPES[options.dtype]
+        self.device = torch.device("cuda", options.device)
+        self.num_blocks = 0
+
+    def load(self) -> None:
+        c, o = self.config, self.options
+        torch.cuda.set_device(self.device)
+        if o.weights is None:
+            weights = Weights.random(c, self.dtype, self.device, o.weight_seed)
+        else:
+            with Checkpoint.scan(o.weights, c) as checkpoint:
+                weights = Weights.load(checkpoint, c, self.dtype, self.device)
+        self.num_blocks = o.num_blocks or self._blocks_that_fit()
+        # One block more than the pool hands out: the scratch block where the padding
+        # rows of a decode graph write their K and V.
+        shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
+        k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        rotary = RotaryTable(c, o.max_model_len, self.dtype, self.device)
+        self.model = Qwen3(c, weights, k_cache, v_cache, rotary)
+        self.sampler = Sampler(c.vocab_size, self.device)
+        self.tokens = torch.zeros((o.max_seqs, o.max_model_len), dtype=torch.int64, device=self.device)
+        self.counts = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.int32, device=self.device)
+        self.in_prompt = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.bool, device=self.device)
+        self.graphs: DecodeGraphs | None = None
+        if o.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.tokens, o.max_seqs,
+                                       -(-o.max_model_len // o.block_size),
+                                       scratch_slot=self.num_blocks * o.block_size)
+            self.graphs.capture()
+        log.info("model loaded: %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)", c.num_layers,
+                 o.dtype, self.num_blocks, o.block_size, 2 * k_cache.numel() * k_cache.element_size() / 2**30)
+
+    def _blocks_that_fit(self) -> int:
+        c, o = self.config, self.options
+        free, total = torch.cuda.mem_get_info(self.device)
+        # What the step's activations and the sampler's [batch, vocab] buffers take.
+        reserve = 4 << 30
+        budget = free - (1 - o.memory_fraction) * total - reserve
+        per_block = c.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * o.block_size
+        blocks = int(budget // per_block)
+        if blocks * o.block_size < o.max_model_len:
+            raise ValueError(f"the GPU has room for {blocks} KV blocks, fewer than one "
+                             f"{o.max_model_len}-token context needs")
+        return blocks
+
+    def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
+        """A newly admitted sequence's prompt into its slot (and the penalties' state)."""
+        ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+        self.tokens[seq.slot, :len(prompt)] = ids
+        self.counts[seq.slot].zero_()
+        self.in_prompt[seq.slot].zero_()
+        self.in_prompt[seq.slot, ids] = True
+
+    def step(self, batch: Batch, top_logprobs: int = -1) -> Drawn | None:
+        """Run ``batch``; the drawn tokens of its sampling works, in work order.
+        ``top_logprobs`` >= 0 also computes log probabilities (and that many
+        alternatives)."""
+        if not batch.works:
+            return None
+        samplers = [w.seq for w in batch.works if w.sample]
+        graphs = self.graphs
+        if graphs is not None and all(w.count == 1 and w.sample for w in batch.works):
+            logits = self._decode_graph(graphs, batch)
+        else:
+            attn, input_ids, sample_rows, _ = self._prepare(batch)
+            hidden = self.model.forward(input_ids, attn)
+            if not samplers:
+                return None
+            logits = self.model.logits(hidden[sample_rows])
+        params = batch_params([(s.params, s.seed, s.generated) for s in samplers],
+                              self.config.vocab_size, self.device)
+        where = torch.tensor([[s.slot for s in samplers], [s.total for s in samplers]],
+                             dtype=torch.int64).to(self.device)
+        slots = where[0]
+        penalized = self.sampler.penalize(logits, params, slots, self.counts, self.in_prompt)
+        tokens = self.sampler.draw(penalized, params)
+        self.tokens[slots, where[1]] = tokens
+        self.counts[slots, tokens] += 1
+        if top_logprobs < 0:
+            return Drawn(tokens, None, None, None)
+        return Sampler.logprobs(logits, tokens, top_logprobs)
+
+    def _decode_graph(self, graphs: DecodeGraphs, batch: Batch) -> torch.Tensor:
+        page = self.options.block_size
+        n = len(batch.works)
+        widest = max(len(w.seq.table.blocks) for w in batch.works)
+        tables = np.zeros((n, widest), dtype=np.int32)
+        positions = np.empty(n, dtype=np.int64)
+        cache_slots = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int64)
+        for i, w in enumerate(batch.works):
+            blocks = w.seq.table.blocks
+            tables[i, :len(blocks)] = blocks
+            positions[i] = w.start
+            cache_slots[i] = blocks[w.start // page] * page + w.start % page
+            slots[i] = w.seq.slot
+        return graphs.run(slots, positions, cache_slots, tables)
+
+    def _prepare(self, batch: Batch) -> tuple[Attention, torch.Tensor, torch.Tensor, list[Sequence]]:
+        page = self.options.block_size
+        per_tile = ATTN_ROWS // self.config.group_size
+        slots, positions, cache_slots = [], [], []
+        q_start, q_len, ctx_start, tile_seq, tile_row, sample_rows = [], [], [], [], [], []
+        samplers = []
+        widest = max(len(w.seq.table.blocks) for w in batch.works)
+        tables = np.zeros((len(batch.works), widest), dtype=np.int32)
+        row = 0
+        for i, w in enumerate(batch.works):
+            blocks = np.asarray(w.seq.table.blocks, dtype=np.int64)
+            tables[i, :len(blocks)] = blocks
+            pos = np.arange(w.start, w.start + w.count, dtype=np.int64)
+            positions.append(pos)
+            cache_slots.append(blocks[pos // page] * page + pos % page)
+            slots.append(np.full(w.count, w.seq.slot, dtype=np.int64))
+            q_start.append(row)
+            q_len.append(w.count)
+            ctx_start.append(w.start)
+            first = np.arange(0, w.count, per_tile, dtype=np.int32)
+            tile_seq.append(np.full(len(first), i, dtype=np.int32))
+            tile_row.append(first)
+            row += w.count
+            if w.sample:
+                sample_rows.append(row - 1)
+                samplers.append(w.seq)
+
+        def dev(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=self.device, dtype=dtype)
+
+        pos_all = dev(np.concatenate(positions), torch.int64)
+        attn = Attention(
+            positions=pos_all, cache_slots=dev(np.concatenate(cache_slots), torch.int64),
+            tables=dev(tables), tile_seq=dev(np.concatenate(tile_seq)),
+            tile_row=dev(np.concatenate(tile_row)),
+            q_start=dev(np.asarray(q_start, dtype=np.int32)),
+            q_len=dev(np.asarray(q_len, dtype=np.int32)),
+            ctx_start=dev(np.asarray(ctx_start, dtype=np.int32)),
+        )
+        input_ids = self.tokens[dev(np.concatenate(slots), torch.int64), pos_all]
+        rows = dev(np.asarray(sample_rows, dtype=np.int64), torch.int64)
+        return attn, input_ids, rows, samplers

@@ -1,0 +1,141 @@
+"""Sampling on the GPU: ``dpu_frontend.model.sampling``'s algorithm over a batch.
+
+Every operation is per row (elementwise, or a reduction along the vocabulary
+of one row), so a row's token does not depend on the rest of the batch. The
+random draw is a hash of (seed, output index, token id), the same bits as the
+NumPy reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW
+from dpu_frontend.ring.records import SamplingParams
+
+
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EB_CA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2_AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+@dataclass
+class BatchParams:
+    """One row per sampling sequence, on the device."""
+
+    temperature: torch.Tensor  # float32
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, <= 0: off
+    min_p: torch.Tensor  # float32
+    presence: torch.Tensor  # float32
+    frequency: torch.Tensor  # float32
+    repetition: torch.Tensor  # float32
+    seed: torch.Tensor  # int64 (a u64's bits)
+    step: torch.Tensor  # int64: the output index being drawn
+    #: Host-side facts that let a batch skip whole stages.
+    top_k_max: int  # the largest top_k of the batch (0: none)
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    all_greedy: bool
+
+
+def batch_params(rows: list[tuple[SamplingParams, int, int]], vocab_size: int,
+                 device: torch.device) -> BatchParams:
+    """The device arrays for rows of (params, seed, output index)."""
+    ps = [p for p, _, _ in rows]
+    n = len(rows)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps]
+    # One host-to-device copy for the float rows, one for the integer rows.
+    floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                           [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+                           [p.repetition_penalty for p in ps]], dtype=torch.float32)
+    ints = torch.tensor([top_k,
+                         # a u64 seed's bits as an int64
+                         [seed - (1 << 64) if seed >= 1 << 63 else seed for _, seed, _ in rows],
+                         [step for _, _, step in rows]], dtype=torch.int64)
+    f = floats.pin_memory().to(device, non_blocking=True) if n else floats.to(device)
+    i = ints.pin_memory().to(device, non_blocking=True) if n else ints.to(device)
+    return BatchParams(
+        temperature=f[0], top_p=f[1], min_p=f[2], presence=f[3], frequency=f[4], repetition=f[5],
+        top_k=i[0], seed=i[1], step=i[2],
+        top_k_max=max(top_k, default=0), any_top_k=any(top_k),
+        any_top_p=any(p.top_p < 1.0 for p in ps), any_min_p=any(p.min_p > 0 for p in ps),
+        any_penalty=any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                        for p in ps),
+        all_greedy=all(p.temperature < GREEDY_BELOW for p in ps),
+    )
+
+
+@dataclass
+class Drawn:
+    tokens: torch.Tensor  # [B] int64
+    logprob: torch.Tensor | None  # [B] float32: the drawn token's
+    top_ids: torch.Tensor | None  # [B, k] int64
+    top_logprobs: torch.Tensor | None  # [B, k] float32
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+        self._token_key = (ids * _TOKEN_MUL) & _MASK32
+
+    def penalize(self, logits: torch.Tensor, p: BatchParams, slots: torch.Tensor,
+                 counts: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
+        """``counts`` [slots, V]: output occurrences; ``in_prompt`` [slots, V] bool;
+        row i is the sequence in slot ``slots[i]``. Gathered only when a row needs them."""
+        if not p.any_penalty:
+            return logits
+        counts = counts[slots]
+        seen = in_prompt[slots] | (counts > 0)
+        r = p.repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        c = counts.to(torch.float32)
+        return logits - p.frequency[:, None] * c - p.presence[:, None] * (c > 0).to(torch.float32)
+
+    def draw(self, logits: torch.Tensor, p: BatchParams) -> torch.Tensor:
+        greedy = torch.argmax(logits, dim=-1)
+        if p.all_greedy:
+            return greedy
+        temperature = torch.where(p.temperature < GREEDY_BELOW, 1.0, p.temperature)
+        scaled = logits / temperature[:, None]
+        if p.any_top_k:
+            top = torch.topk(scaled, min(p.top_k_max, scaled.shape[-1]), dim=-1).values
+            k = p.top_k.clamp(min=1, max=top.shape[-1])
+            kth = top.gather(1, (k - 1)[:, None])
+            on = ((p.top_k > 0) & (p.top_k < scaled.shape[-1]))[:, None]
+            scaled = torch.where(on & (scaled < kth), float("-inf"), scaled)
+        probs = torch.softmax(scaled, dim=-1)
+        if p.any_top_p:
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+            drop = before >= p.top_p[:, None]
+            drop[:, 0] = False
+            probs = probs.scatter(1, order, torch.where(drop, 0.0, sorted_p))
+        if p.any_min_p:
+            floor = p.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs >= floor, probs, 0.0)
+        key = fmix32((p.step * _GOLDEN + _STEP_ADD) & _MASK32)
+        key = fmix32(key ^ ((p.seed >> 32) & _MASK32))
+        key = fmix32(key ^ (p.seed & _MASK32))
+        bits = fmix32(key[:, None] ^ self._token_key[None, :])
+        u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+        drawn = torch.argmax(probs / -torch.log(u), dim=-1)
+        return torch.where(p.temperature < GREEDY_BELOW, greedy, drawn)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Drawn:
+        """The model's log probabilities (before penalties and temperature)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, tokens[:, None])[:, 0]
+        if k == 0:
+            return Drawn(tokens, chosen, None, None)
+        top = torch.topk(lp, k, dim=-1)
+        return Drawn(tokens, chosen, top.indices, top.values)

@@ -1,0 +1,149 @@
+"""How a token is drawn from logits: the specification, and a NumPy reference.
+
+The engine samples on the GPU (``dpu_frontend.model.sampler``); this module is
+the same algorithm written plainly, which the GPU sampler is tested against
+and which CI checks on its own. One row (one sequence, one step):
+
+1. **Penalties** on the model's logits, as vLLM and OpenAI define them:
+   repetition (divide positive logits, multiply negative ones, for every token
+   in the prompt or the output), then frequency (minus ``count`` times the
+   output count) and presence (minus once for any token in the output).
+2. **Greedy** when ``temperature`` is 0 (or below ``GREEDY_BELOW``): the first
+   index of the maximum. Top-k, top-p and min-p do not apply.
+3. Otherwise divide by ``temperature``; keep the ``top_k`` largest (every
+   token tied with the k-th too); over those, the probabilities sorted
+   descending (ties by index) and kept while the mass before a token is below
+   ``top_p`` (the first always stays); then drop tokens whose probability is
+   below ``min_p`` times the largest.
+4. **Draw** by an exponential race: the kept token with the largest
+   ``p / E`` wins, ``E = -log(U)``, ``U`` uniform in (0, 1). ``U`` is a hash of
+   (seed, output index, token id), never a stream consumed in order, so that a
+   sequence's draws do not depend on which other sequences share the batch, on
+   the batch's order, or on a preemption that recomputes it.
+
+Log probabilities are the model's own: log-softmax of the logits before
+penalties and temperature (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dpu_frontend.ring.records import SamplingParams
+
+#: Temperatures below this are greedy: dividing by them overflows float32.
+GREEDY_BELOW = 1e-5
+#: Most top alternatives a response carries per token (OpenAI's limit is 20;
+#: the ring record carries 5).
+MAX_TOP_LOGPROBS = 5
+
+_MASK32 = 0xFFFF_FFFF
+_GOLDEN = 0x9E37_79B1
+_TOKEN_MUL = 0x85EB_CA77
+_STEP_ADD = 0x7F4A_7C15
+
+F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
+
+
+def fmix32(x: I64) -> I64:
+    """MurmurHash3's finalizer on the low 32 bits of int64 values.
+
+    Written with int64 arithmetic and masks, as the GPU sampler (torch) writes
+    it, so that both produce the same bits: products wrap modulo 2**64 and only
+    their low 32 bits are kept.
+    """
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EB_CA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2_AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, step: int) -> int:
+    """The hash key of one sequence's ``step``-th draw."""
+    k = fmix32(np.array([(step * _GOLDEN + _STEP_ADD) & _MASK32], dtype=np.int64))
+    k = fmix32(k ^ ((seed >> 32) & _MASK32))
+    return int(fmix32(k ^ (seed & _MASK32))[0])
+
+
+def uniforms(key: int, vocab: int) -> F32:
+    """One uniform in (0, 1) per token id: 24 hashed bits and a half."""
+    ids = np.arange(vocab, dtype=np.int64)
+    bits = fmix32(key ^ ((ids * _TOKEN_MUL) & _MASK32))
+    return (((bits >> 8).astype(np.float32) + np.float32(0.5))
+            * np.float32(2.0**-24)).astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What the penalties look at: the prompt's and the output's token ids."""
+
+    prompt: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+
+
+def apply_penalties(logits: F32, params: SamplingParams, history: History) -> F32:
+    out = logits.astype(np.float32, copy=True)
+    vocab = out.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = np.zeros(vocab, dtype=bool)
+        seen[list(history.prompt)] = True
+        seen[list(history.output)] = True
+        r = np.float32(params.repetition_penalty)
+        out = np.where(seen, np.where(out > 0, out / r, out * r), out).astype(np.float32)
+    if params.frequency_penalty or params.presence_penalty:
+        counts = np.bincount(np.array(history.output, dtype=np.int64),
+                             minlength=vocab).astype(np.float32)
+        out = (out - np.float32(params.frequency_penalty) * counts
+               - np.float32(params.presence_penalty) * (counts > 0).astype(np.float32))
+    return out.astype(np.float32)
+
+
+def kept_probabilities(logits: F32, params: SamplingParams) -> F32:
+    """Step 3: the probabilities after temperature, top-k, top-p and min-p,
+    zero where a token was dropped (not renormalized: the race does not need it)."""
+    scaled = (logits / np.float32(params.temperature)).astype(np.float32)
+    vocab = scaled.shape[0]
+    if 0 < params.top_k < vocab:
+        kth = np.sort(scaled)[vocab - params.top_k]
+        scaled = np.where(scaled >= kth, scaled, np.float32(-np.inf)).astype(np.float32)
+    e: F32 = np.exp(scaled - scaled.max()).astype(np.float32)
+    p: F32 = (e / e.sum(dtype=np.float32)).astype(np.float32)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order], dtype=np.float32) - p[order]
+        drop = order[before >= np.float32(params.top_p)]
+        drop = drop[drop != order[0]]
+        p[drop] = 0
+    if params.min_p > 0.0:
+        p = np.where(p >= np.float32(params.min_p) * p.max(), p, np.float32(0)).astype(np.float32)
+    return p
+
+
+def sample(logits: F32, params: SamplingParams, seed: int, step: int,
+           history: History = History()) -> int:
+    """The token the engine draws for one sequence at output index ``step``."""
+    penalized = apply_penalties(logits, params, history)
+    if params.temperature < GREEDY_BELOW:
+        return int(np.argmax(penalized))
+    p = kept_probabilities(penalized, params)
+    e = -np.log(uniforms(row_key(seed, step), p.shape[0]))
+    return int(np.argmax(p / e))
+
+
+def log_softmax(logits: F32) -> F32:
+    shifted = logits.astype(np.float32) - logits.max()
+    out: F32 = (shifted - np.log(np.exp(shifted).sum(dtype=np.float32))).astype(np.float32)
+    return out
+
+
+def top_logprobs(logits: F32, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens and their log probabilities, most likely first."""
+    lp = log_softmax(logits)
+    order = np.argsort(-lp, kind="stable")[:k]
+    return [(int(t), float(lp[t])) for t in order]

@@ -1,0 +1,66 @@
+"""The model config: HF config.json in, checked shapes out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dpu_frontend.errors import StartupError
+from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
+
+
+def test_default_is_qwen3_0_6b() -> None:
+    c = ModelConfig.default()
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (28, 1024, 16, 8, 128)
+    assert (c.intermediate_size, c.vocab_size, c.rope_theta) == (3072, 151936, 1e6)
+    assert c.group_size == 2 and c.tie_word_embeddings
+    assert c.kv_bytes_per_token(2) == 112 * 1024  # the issue's "about 112 KiB per token"
+    assert 595e6 < c.parameter_count() < 597e6
+    assert c.eos_token_ids == (151645,)
+
+
+def test_load_file_and_directory(tmp_path: Path) -> None:
+    data = QWEN3_0_6B | {"num_hidden_layers": 2, "eos_token_id": [151643, 151645]}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    for path in (tmp_path, tmp_path / "config.json"):
+        c = ModelConfig.load(path)
+        assert c.num_layers == 2 and c.eos_token_ids == (151643, 151645)
+
+
+def test_head_dim_defaults_to_hidden_over_heads() -> None:
+    data = {k: v for k, v in QWEN3_0_6B.items() if k != "head_dim"} | {"hidden_size": 2048}
+    assert ModelConfig.from_dict(data, "x").head_dim == 128
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model_type": "llama"}, "model_type 'llama' is not served"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"head_dim": 96}, "head_dim 96"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"hidden_size": True}, "hidden_size must be a positive integer"),
+    ({"torch_dtype": "int8"}, "torch_dtype 'int8'"),
+    ({"eos_token_id": 151936}, "outside the vocabulary"),
+    ({"rms_norm_eps": 0}, "out of range"),
+])
+def test_refused_configs_say_why(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        ModelConfig.from_dict(QWEN3_0_6B | change, "cfg")
+
+
+def test_missing_field_and_bad_file(tmp_path: Path) -> None:
+    data = {k: v for k, v in QWEN3_0_6B.items() if k != "vocab_size"}
+    with pytest.raises(StartupError, match="missing field 'vocab_size'"):
+        ModelConfig.from_dict(data, "cfg")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(StartupError, match="cannot read model config"):
+        ModelConfig.load(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(StartupError, match="a JSON object"):
+        ModelConfig.load(tmp_path)
