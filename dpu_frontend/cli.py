@@ -1,4 +1,4 @@
-"""``dpu-frontend``: serve, check, peer, gpu-peer, peer-stats, demo, softroce.
+"""``dpu-frontend``: serve, check, peer, gpu-peer, model-peer, peer-stats, demo, softroce.
 
 The CLI is the edge where configuration is built: flags become one frozen
 config object, validated once; a bad value exits 2 with its message.
@@ -19,7 +19,6 @@ from typing import Any
 import uvloop
 
 from dpu_frontend import __version__
-from dpu_frontend.check import run_check
 from dpu_frontend.config import (
     DEFAULT_PEER,
     DEFAULT_TRANSPORT,
@@ -31,23 +30,13 @@ from dpu_frontend.config import (
     RdmaConfig,
     ServeConfig,
 )
-from dpu_frontend.control.stats import peer_stats
-from dpu_frontend.daemon import serve
 from dpu_frontend.errors import DpuFrontendError
-from dpu_frontend.gpu.launcher import (
-    GPU_GEOMETRY,
-    add_gpu_arguments,
-    gpu_peer_config,
-    run_gpu_peer,
-)
+from dpu_frontend.gpu.launcher import GPU_GEOMETRY, add_gpu_arguments, gpu_peer_config
 from dpu_frontend.logs import configure
-from dpu_frontend.peer.server import run_peer
+from dpu_frontend.model.options import add_model_arguments, model_peer_options
 from dpu_frontend.ring import Geometry
 from dpu_frontend.settings import DEFAULT_PATH as DEFAULT_CONFIG
 from dpu_frontend.settings import SETTINGS, Setting, build
-from dpu_frontend.softroce.demo import run_demo
-from dpu_frontend.softroce.harness import run_cli
-from dpu_frontend.workers import supervise
 
 log = logging.getLogger("dpu_frontend")
 
@@ -126,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "GPU kernel (needs a CUDA GPU and nvcc)")
     _peer_settings(gpu, GPU_GEOMETRY)
     add_gpu_arguments(gpu)
+
+    model = sub.add_parser("model-peer", help="run the model engine behind the ring, "
+                                              "host-driven (needs a CUDA GPU, torch, Triton)")
+    _peer_settings(model, Geometry())
+    model.add_argument("--tick", dest="tick_s", metavar="SECONDS", type=float,
+                       default=defaults.tick_s, help="idle poll period, seconds (default %(default)s)")
+    add_model_arguments(model)
 
     stats = sub.add_parser("peer-stats", help="print a GPU peer's per-channel counters (JSON)")
     stats.add_argument("--peer", default=str(DEFAULT_PEER), help="HOST:PORT (default %(default)s)")
@@ -211,35 +207,53 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
 def _runner(args: argparse.Namespace, argv: Sequence[str] | None) -> Callable[[], int]:
     """What ``args`` asks for, ready to run. Every config is built, and so validated,
     here: a ``ValueError`` from this function is a usage error, one raised while the
-    command runs is a bug."""
+    command runs is a bug.
+
+    Each command's module is imported when that command runs: a peer or a check
+    process then starts without the daemon's HTTP stack, which the micro-VM's
+    software CPU takes seconds to import (tests/rdma start one per test).
+    """
     if args.command == "softroce":
+        from dpu_frontend.softroce.harness import run_cli
+
         return lambda: run_cli(args.mode, args.argv, timeout=args.timeout, memory=args.memory,
                                rwdirs=args.rwdir)
     if args.command == "peer-stats":
         address = PeerAddress.parse(args.peer)
         return lambda: _print_stats(address)
     if args.command == "demo":
+        from dpu_frontend.softroce.demo import run_demo
         return lambda: run_demo(transport=args.transport, rdma_ip=args.rdma_ip,
                                 prompt=args.prompt, max_tokens=args.max_tokens, port=args.port)
     if args.command in ("serve", "check"):
         config, logging_config = serve_config(args)
         configure(logging_config.level, logging_config.format)
         if args.command == "check":
+            from dpu_frontend.check import run_check
             return lambda: uvloop.run(run_check(config))
         if config.workers > 1 and config.worker_index is None:
+            from dpu_frontend.workers import supervise
             command_line = list(argv if argv is not None else sys.argv[1:])
             return lambda: uvloop.run(supervise(config, command_line))
+        from dpu_frontend.daemon import serve
         return lambda: uvloop.run(serve(config))
     logging_config = LoggingConfig(level=args.log_level)
     configure(logging_config.level, logging_config.format)
     peer = peer_config(args)
+    if args.command == "model-peer":
+        options = model_peer_options(args)
+        from dpu_frontend.model.peer import run_model_peer  # torch: only for this command
+        return lambda: uvloop.run(run_model_peer(peer, options))
     if args.command == "gpu-peer":
+        from dpu_frontend.gpu.launcher import run_gpu_peer
         gpu = gpu_peer_config(args, peer)
         return lambda: uvloop.run(run_gpu_peer(gpu))
+    from dpu_frontend.peer.server import run_peer
     return lambda: uvloop.run(run_peer(peer))
 
 
 def _print_stats(address: PeerAddress) -> int:
+    from dpu_frontend.control.stats import peer_stats
     print(json.dumps(asyncio.run(peer_stats(address)), indent=2))
     return 0
 

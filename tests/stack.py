@@ -19,6 +19,11 @@ from dpu_frontend.softroce.processes import stop as stop_process
 MODEL = "qwen3"
 #: The daemons' --peer-timeout inside the micro-VM (see running_stack).
 VM_PEER_TIMEOUT_S = 10
+#: Idle, a reference peer polls its rings every tick and a daemon its peer every idle
+#: interval: a few percent of a core natively (1 ms and 10 ms), whole vCPUs under the
+#: micro-VM's software CPU, taken from the processes a test is waiting for.
+VM_TICK_S = 0.01
+VM_IDLE_POLL_S = 0.05
 
 
 @dataclass
@@ -80,15 +85,18 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
         # loaded development machine. Failures in these tests are seen by the control
         # connection closing or a completion error; only the stalled-peer test
         # waits for this deadline.
-        serve_args = ("--peer-timeout", str(VM_PEER_TIMEOUT_S), *serve_args)
+        serve_args = ("--peer-timeout", str(VM_PEER_TIMEOUT_S), "--idle-poll-interval",
+                      str(VM_IDLE_POLL_S), *serve_args)
+        peer_pace = ["--tick", str(VM_TICK_S)]
     else:
         net = []
         host = "127.0.0.1"
+        peer_pace = []
     started: list[PeerProcess] = []
     try:
         for _ in range(peers):
             shm = ["--shm-path", f"/dev/shm/dpu-frontend-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
-            rate = ["--tokens-per-s", str(tokens_per_s)] if peer_command == "peer" else []
+            rate = ["--tokens-per-s", str(tokens_per_s), *peer_pace] if peer_command == "peer" else []
             argv = [*CLI, peer_command, "--transport", transport, *net, "--host", host,
                     "--port", "0", "--mode", mode, *rate,
                     *(shm if transport == "shm" else []), *peer_args]

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpu_frontend import cli
+from dpu_frontend import cli, daemon
 from dpu_frontend.config import PeerConfig, ServeConfig
+from dpu_frontend.peer import server
 
 
 @pytest.fixture(autouse=True)
@@ -30,15 +31,16 @@ async def _peer_fails(config: PeerConfig) -> int:
     raise ValueError("a value went wrong in the peer")
 
 
-@pytest.mark.parametrize(("argv", "target", "fails", "message"), [
-    (["serve", "--peer", "127.0.0.1:1"], "serve", _serve_fails,
+# The CLI imports a command's module when the command runs: patched there.
+@pytest.mark.parametrize(("argv", "module", "target", "fails", "message"), [
+    (["serve", "--peer", "127.0.0.1:1"], daemon, "serve", _serve_fails,
      "a value went wrong while serving"),
-    (["peer", "--port", "0"], "run_peer", _peer_fails, "a value went wrong in the peer"),
+    (["peer", "--port", "0"], server, "run_peer", _peer_fails, "a value went wrong in the peer"),
 ])
 def test_a_value_error_while_running_is_a_crash_not_a_usage_error(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
-        target: str, fails: object, message: str) -> None:
-    monkeypatch.setattr(cli, target, fails)
+        module: object, target: str, fails: object, message: str) -> None:
+    monkeypatch.setattr(module, target, fails)
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert f"dpu-frontend {argv[0]} crashed" in err
@@ -60,8 +62,8 @@ def test_a_bad_value_is_a_usage_error_and_runs_nothing(
         ran.append(argv[0])
         return 0
 
-    monkeypatch.setattr(cli, "serve", run)
-    monkeypatch.setattr(cli, "run_peer", run)
+    monkeypatch.setattr(daemon, "serve", run)
+    monkeypatch.setattr(server, "run_peer", run)
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     assert exit_.value.code == 2
