@@ -15,27 +15,11 @@ from dataclasses import dataclass, field
 
 from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.events import TokenEvent
+from dpu_frontend.model.options import EngineOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Scheduler, Sequence
 from dpu_frontend.ring.records import FinishReason, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    max_batched_tokens: int = 2048
-    #: Log probabilities with this many alternatives (-1: none).
-    top_logprobs: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One step's outcome for one sequence."""
-
-    seq_id: int
-    token: int | None  # None when the step ended the sequence without a token
-    finish: FinishReason
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

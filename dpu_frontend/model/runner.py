@@ -11,57 +11,30 @@ slots, block tables.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from dpu_frontend.errors import StartupError
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.graphs import DecodeGraphs
 from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
 from dpu_frontend.model.sampler import Drawn, Sampler, batch_params
 from dpu_frontend.model.scheduler import Batch, Sequence
 
 log = logging.getLogger("dpu_frontend.model")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerOptions:
-    """How the model is placed on the GPU."""
-
-    dtype: str = "bfloat16"
-    device: int = 0
-    #: Checkpoint directory (HF layout, safetensors); None: seeded random weights.
-    weights: Path | None = None
-    weight_seed: int = 0
-    block_size: int = 32
-    #: KV cache blocks; 0: as many as ``memory_fraction`` of the GPU leaves.
-    num_blocks: int = 0
-    memory_fraction: float = 0.85
-    max_seqs: int = 256
-    max_model_len: int = 8192
-    #: Decode steps as CUDA graphs (one per batch-size bucket); False: eager.
-    cuda_graphs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.block_size not in (16, 32, 64):
-            raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
-        if not 0.1 <= self.memory_fraction <= 0.98:
-            raise ValueError(f"memory_fraction {self.memory_fraction} is outside [0.1, 0.98]")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, options: RunnerOptions) -> None:
         self.config = config
         self.options = options
-        self.dtype = DTYPES[options.dtype]
+        self.dtype = TORCH_DTYPES[options.dtype]
         self.device = torch.device("cuda", options.device)
         self.num_blocks = 0
 
@@ -103,7 +76,7 @@ class ModelRunner:
         per_block = c.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * o.block_size
         blocks = int(budget // per_block)
         if blocks * o.block_size < o.max_model_len:
-            raise ValueError(f"the GPU has room for {blocks} KV blocks, fewer than one "
+            raise StartupError(f"the GPU has room for {blocks} KV blocks, fewer than one "
                              f"{o.max_model_len}-token context needs")
         return blocks
 

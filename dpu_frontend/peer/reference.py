@@ -18,13 +18,14 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dpu_frontend.config import PeerConfig
-from dpu_frontend.peer.generator import TokenGenerator
+from dpu_frontend.peer.generator import GeneratorStats, TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
-from dpu_frontend.ring import CancelRecord, GpuChannel, Layout, ResponseRecord
+from dpu_frontend.ring import CancelRecord, GenerateRecord, GpuChannel, Layout, ResponseRecord
 from dpu_frontend.ring.mailbox import (
     ChannelState,
     Command,
@@ -37,28 +38,60 @@ from dpu_frontend.transport.shm import map_file
 
 log = logging.getLogger("dpu_frontend.peer")
 
+#: The heartbeat's period: 20 beats within the daemon's default 1 s peer timeout.
+HEARTBEAT_S = 0.05
+
+
+class SequenceSource(Protocol):
+    """Where a channel's sequences get their tokens: ``TokenGenerator`` (replay, echo)
+    or the model engine (``dpu_frontend.model.source``)."""
+
+    stats: GeneratorStats
+
+    @property
+    def active(self) -> int: ...
+    @property
+    def active_ids(self) -> list[int]: ...
+    def has(self, request_id: int) -> bool: ...
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None: ...
+    def cancel(self, request_id: int) -> ResponseRecord | None: ...
+    def drop_all(self) -> None: ...
+    def step(self, now: float, budget: int) -> list[ResponseRecord]: ...
+
+
+#: A channel's source, from the channel's index and its tokens per record.
+SourceFactory = Callable[[int, int], SequenceSource]
+
 
 @dataclass(slots=True)
 class _Channel:
     index: int
     ring: GpuChannel
-    generator: TokenGenerator
+    generator: SequenceSource
     mailbox: KernelMailbox
     attached: bool = False
     outbox: list[ResponseRecord] = field(default_factory=list)  # generated, not yet published
 
 
 class ReferenceKernel(PeerKernel):
+    """``sources`` makes each channel's sequence source (default: token generators
+    over ``corpus``); ``between_steps`` runs once per tick before the channels are
+    stepped (the model engine's batch step)."""
+
     def __init__(self, config: PeerConfig, corpus: list[list[int]],
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], *, sources: SourceFactory | None = None,
+                 between_steps: Callable[[], Awaitable[None]] | None = None) -> None:
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
+        self._sources = sources or self._generator
+        self._between_steps = between_steps
         self._map: mmap.mmap | None = None
         self._region: AtomicMemory | None = None
         self._mailbox: AtomicMemory | None = None
         self._channels: list[_Channel] = []
         self._task: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
         self._failure: str | None = None
 
     def open(self, layout: Layout) -> RegionAddress:
@@ -73,14 +106,16 @@ class ReferenceKernel(PeerKernel):
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
         for i, ch in enumerate(layout.channels):
             per_step = min(cfg.tokens_per_step or ch.tokens_per_response, ch.tokens_per_response)
-            generator = TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus,
-                                       eos_token_ids=self._eos, tokens_per_s=cfg.tokens_per_s,
-                                       tokens_per_step=per_step)
-            self._channels.append(
-                _Channel(i, GpuChannel(region, ch), generator, KernelMailbox(self._mailbox, i)))
+            self._channels.append(_Channel(i, GpuChannel(region, ch), self._sources(i, per_step),
+                                           KernelMailbox(self._mailbox, i)))
         if cfg.transport == "shm":
             return RegionAddress(path=str(cfg.shm_path))
         return RegionAddress(host_address=region.address)
+
+    def _generator(self, channel: int, per_step: int) -> SequenceSource:
+        cfg = self.config
+        return TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
+                              tokens_per_s=cfg.tokens_per_s, tokens_per_step=per_step)
 
     @property
     def mailbox(self) -> AtomicMemory:
@@ -90,6 +125,16 @@ class ReferenceKernel(PeerKernel):
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="reference-kernel")
+        self._heart = asyncio.create_task(self._heartbeat(), name="reference-heartbeat")
+
+    async def _heartbeat(self) -> None:
+        """Every channel's heartbeat on its own clock, as the CUDA peer's heartbeat warp:
+        a long step (a model's first prefill, a big chunk) never fails the link. It
+        stops when the kernel loop dies, so that the daemon sees the failure."""
+        while self._failure is None:
+            for channel in self._channels:
+                channel.ring.beat()
+            await asyncio.sleep(HEARTBEAT_S)
 
     def failure(self) -> str | None:
         return self._failure
@@ -102,8 +147,12 @@ class ReferenceKernel(PeerKernel):
                 for channel in self._channels:
                     self._obey(channel)
                     if channel.attached:
-                        self._step(channel, now)
-                    channel.ring.beat()  # every tick, whatever the step did
+                        self._intake(channel, now)
+                if self._between_steps is not None:
+                    await self._between_steps()
+                for channel in self._channels:
+                    if channel.attached:
+                        self._publish(channel, now)
                     channel.mailbox.publish_counters(self._counters(channel))
                 await asyncio.sleep(tick)
         except asyncio.CancelledError:
@@ -136,7 +185,7 @@ class ReferenceKernel(PeerKernel):
         state = ChannelState.ATTACHED if channel.attached else ChannelState.DETACHED
         channel.mailbox.ack(seq, state, error)
 
-    def _step(self, channel: _Channel, now: float) -> None:
+    def _intake(self, channel: _Channel, now: float) -> None:
         ring, generator = channel.ring, channel.generator
         outbox = channel.outbox
         for record, prompt in ring.poll_requests():
@@ -152,6 +201,9 @@ class ReferenceKernel(PeerKernel):
                 ring.refuse()  # a duplicate id, or a DPU that broke its sequence window
             else:
                 generator.admit(record, prompt, now)
+
+    def _publish(self, channel: _Channel, now: float) -> None:
+        ring, generator, outbox = channel.ring, channel.generator, channel.outbox
         # Generate only what the response ring can take soon: the outbox is bounded.
         budget = max(0, ring.layout.resp_slots - len(outbox))
         outbox += generator.step(now, budget)
@@ -171,11 +223,12 @@ class ReferenceKernel(PeerKernel):
                 "request_records": c.ring.consumed}
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._heart):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._heart = None
         self._channels.clear()
         for memory in (self._region, self._mailbox):
             if memory is not None:

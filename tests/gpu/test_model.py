@@ -15,8 +15,9 @@ import torch
 import transformers
 
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
-from dpu_frontend.model.engine import EngineOptions, ModelEngine
-from dpu_frontend.model.runner import ModelRunner, RunnerOptions
+from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.options import EngineOptions, RunnerOptions
+from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.sampler import batch_params
 from dpu_frontend.model.sampling import sample as reference_sample
 from dpu_frontend.model.scheduler import Batch, Work

@@ -2,7 +2,7 @@
 
 Each top-level module or package of ``dpu_frontend`` has a rank; a module may
 import only from a lower rank (or from its own package). The daemon's side
-(``engine``, ``http``, ``daemon``, ...) and the GPU's side (``peer``, ``gpu``)
+(``engine``, ``http``, ``daemon``, ...) and the GPU's side (``peer``, ``gpu``, ``model``)
 never import each other: they meet only in the ring protocol and the control
 messages below them. Only the CLI reaches the development harness
 (``softroce``), and the ring protocol does no I/O.
@@ -26,14 +26,14 @@ RANKS: dict[str, int] = {
     "config": 2, "metrics": 2, "logs": 2, "sdnotify": 2, "lifecycle": 2, "private": 2,
     "control": 3, "text": 3, "transport": 3, "settings": 3,
     "engine": 4, "peer": 4,
-    "http": 5, "gpu": 5,
+    "http": 5, "gpu": 5, "model": 5,
     "daemon": 6,
     "check": 7, "workers": 7,
     "softroce": 8,
     "cli": 9,
 }
 DAEMON_SIDE = {"engine", "http", "daemon", "check", "workers"}
-GPU_SIDE = {"peer", "gpu"}
+GPU_SIDE = {"peer", "gpu", "model"}
 #: Sans-I/O: the ring protocol is handed bytes and the time, never a socket or a QP.
 NO_IO_IN_RING = {"asyncio", "socket", "aiohttp", "pyverbs", "selectors", "subprocess"}
 

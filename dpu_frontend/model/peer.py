@@ -1,0 +1,58 @@
+"""``dpu-frontend model-peer``: the model engine behind the ring, host-driven.
+
+The host process loads the model on the GPU, then serves the ring protocol
+with the host-driven kernel loop (``dpu_frontend.peer.reference``): each tick
+it takes the committed request records of every channel, runs one engine
+step over all their sequences, and publishes one record per sequence that
+produced tokens. The daemon in front of it is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dpu_frontend import __version__
+from dpu_frontend.config import PeerConfig
+from dpu_frontend.errors import StartupError
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.options import ModelPeerOptions
+from dpu_frontend.model.runner import ModelRunner
+from dpu_frontend.model.source import EngineHub, ModelSource
+from dpu_frontend.peer.reference import ReferenceKernel, SequenceSource
+from dpu_frontend.peer.server import PeerServer, serve_peer
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
+
+log = logging.getLogger("dpu_frontend.model")
+
+
+def model_config(options: ModelPeerOptions) -> ModelConfig:
+    if options.config is not None:
+        return ModelConfig.load(options.config)
+    if options.runner.weights is not None:
+        return ModelConfig.load(options.runner.weights)
+    return ModelConfig.default()
+
+
+async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
+    config = model_config(options)
+    vocab = Vocabulary.load(peer.tokenizer or default_tokenizer_dir())
+    if vocab.tokenizer.get_vocab_size() > config.vocab_size:
+        raise StartupError(f"the tokenizer has {vocab.tokenizer.get_vocab_size()} ids, the model "
+                         f"{config.vocab_size}")
+    runner = ModelRunner(config, options.runner)
+    runner.load()  # weights, KV cache, graphs: before the ready line
+    hub = EngineHub(ModelEngine(config, runner, options.engine))
+    eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
+
+    def source(channel: int, per_step: int) -> SequenceSource:
+        return ModelSource(hub, per_step)
+
+    kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step)
+    model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
+                             "peer": f"dpu-frontend-model-peer {__version__}"}
+    log.info("model peer: %d layers, hidden %d, %s, weights %s", config.num_layers,
+             config.hidden_size, options.runner.dtype, options.runner.weights or "random")
+    return await serve_peer(PeerServer(peer, kernel, model))

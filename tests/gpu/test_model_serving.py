@@ -1,0 +1,93 @@
+"""The model engine behind the daemon: ``model-peer`` (host-driven) on the GPU, the
+daemon over the shm transport, the official openai SDK in front (docs/gpu.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from openai import OpenAI
+
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.options import EngineOptions, RunnerOptions
+from dpu_frontend.model.runner import ModelRunner
+from dpu_frontend.ring.records import SamplingParams
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.stack import MODEL, Stack, running_stack
+
+pytestmark = pytest.mark.gpu
+
+SEED = 20261126
+#: A small KV cache: the test process loads its own copy of the model beside the peer.
+MODEL_ARGS = ("--max-seqs", "64", "--max-model-len", "2048", "--kv-blocks", "512",
+              "--weight-seed", str(SEED))
+PROMPT = "The ring buffer in GPU memory"
+
+
+@pytest.fixture(scope="module")
+def model_stack() -> Iterator[Stack]:
+    with running_stack("shm", timeout=600, peer_command="model-peer",
+                       peer_args=MODEL_ARGS) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[ModelEngine]:
+    config = ModelConfig.default()
+    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=256, max_seqs=8,
+                                               max_model_len=2048))
+    runner.load()
+    yield ModelEngine(config, runner, EngineOptions())
+    del runner
+    torch.cuda.empty_cache()
+
+
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_a_seeded_stream_equals_the_full_answer(model_stack: Stack) -> None:
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "top_p": 0.95,
+          "seed": 11}
+    with client(model_stack) as c:
+        full = c.completions.create(**kw)  # type: ignore[call-overload]
+        pieces, finishes = [], []
+        for chunk in c.completions.create(stream=True, **kw):  # type: ignore[call-overload]
+            pieces.append(chunk.choices[0].text)
+            finishes.append(chunk.choices[0].finish_reason)
+    text = full.choices[0].text
+    assert text and "".join(pieces) == text
+    assert finishes[-1] == full.choices[0].finish_reason
+    assert len([p for p in pieces if p]) > 1, "not streamed"
+    print(f"seeded completion through the daemon, streamed = full: {text[:60]!r}...")
+
+
+def test_the_daemon_serves_what_the_engine_generates(model_stack: Stack,
+                                                     offline: ModelEngine) -> None:
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    ids = vocab.encode(PROMPT)
+    cases = [SamplingParams(max_tokens=24, temperature=0.0),
+             SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=5)]
+    with client(model_stack) as c:
+        for params in cases:
+            expected = offline.generate([ids], [params])[0]
+            got = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=params.max_tokens,
+                                       temperature=params.temperature, seed=params.seed,
+                                       extra_body={"top_k": params.top_k})
+            assert got.choices[0].text == vocab.decode(expected.tokens)
+            assert got.usage is not None and got.usage.completion_tokens == len(expected.tokens)
+    print("greedy and seeded top-k completions through the daemon equal the engine's own tokens")
+
+
+def test_chat_stream_with_the_sdk(model_stack: Stack) -> None:
+    with client(model_stack) as c:
+        chunks = list(c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+            max_tokens=16, stream=True, seed=3, temperature=0.7))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    assert finish in ("length", "stop")
+    assert text or finish == "stop"

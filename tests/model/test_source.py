@@ -1,0 +1,134 @@
+"""The model peer's sources over a stand-in engine: records packed from engine
+events, cancels, errors, the ring's budget (no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dpu_frontend.model.events import TokenEvent
+from dpu_frontend.model.options import add_model_arguments, model_peer_options
+from dpu_frontend.model.source import EngineHub, ModelSource
+from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
+
+
+class ScriptedEngine:
+    """Each sequence emits its scripted tokens, one a step, then its finish."""
+
+    def __init__(self, scripts: dict[int, tuple[list[int], FinishReason]]) -> None:
+        self.scripts = scripts  # by prompt's first token
+        self.running: dict[int, tuple[list[int], FinishReason]] = {}
+        self.cancelled: list[int] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.running
+
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
+        if prompt[0] < 0:
+            raise ValueError("a prompt token id is outside the vocabulary")
+        tokens, finish = self.scripts[prompt[0]]
+        self.running[seq_id] = (list(tokens), finish)
+
+    def cancel(self, seq_id: int) -> None:
+        self.running.pop(seq_id, None)
+        self.cancelled.append(seq_id)
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for seq_id, (tokens, finish) in list(self.running.items()):
+            token = tokens.pop(0) if tokens else None
+            done = finish if not tokens else FinishReason.NONE
+            events.append(TokenEvent(seq_id, token, done))
+            if done is not FinishReason.NONE:
+                del self.running[seq_id]
+        return events
+
+
+def record(request_id: int) -> GenerateRecord:
+    return GenerateRecord(request_id, 0, 1, SamplingParams(max_tokens=16))
+
+
+def drive(hub: EngineHub, steps: int) -> None:
+    for _ in range(steps):
+        hub.deliver(hub.engine.step())
+
+
+def test_tokens_are_packed_per_step_and_the_last_record_is_final() -> None:
+    engine = ScriptedEngine({1: ([10, 11, 12, 13, 14], FinishReason.LENGTH),
+                             2: ([20], FinishReason.STOP)})
+    hub = EngineHub(engine)
+    source = ModelSource(hub, per_step=2)
+    source.admit(record(100), (1,), 0.0)
+    source.admit(record(200), (2,), 0.0)
+    drive(hub, 1)
+    assert source.step(0.0, 10) == [ResponseRecord(100, (10,)), ResponseRecord(200, (20,), FinishReason.STOP)]
+    drive(hub, 4)  # a slow reader: four steps' tokens wait, then go out two a record
+    out = source.step(0.0, 10)
+    assert out == [ResponseRecord(100, (11, 12)), ResponseRecord(100, (13, 14), FinishReason.LENGTH)]
+    assert source.active == 0 and source.stats.completed == 2 and source.stats.tokens == 6
+
+
+def test_the_budget_holds_records_back_without_loss() -> None:
+    engine = ScriptedEngine({1: ([1, 2, 3], FinishReason.LENGTH)})
+    hub = EngineHub(engine)
+    source = ModelSource(hub, per_step=1)
+    source.admit(record(7), (1,), 0.0)
+    drive(hub, 3)
+    assert source.step(0.0, 2) == [ResponseRecord(7, (1,)), ResponseRecord(7, (2,))]
+    assert source.step(0.0, 2) == [ResponseRecord(7, (3,), FinishReason.LENGTH)]
+
+
+def test_cancel_stops_the_engine_sequence_and_ends_with_cancelled() -> None:
+    engine = ScriptedEngine({1: ([1, 2, 3], FinishReason.LENGTH)})
+    hub = EngineHub(engine)
+    source = ModelSource(hub, per_step=4)
+    source.admit(record(7), (1,), 0.0)
+    drive(hub, 1)
+    assert source.cancel(7) == ResponseRecord(7, (), FinishReason.CANCELLED)
+    assert engine.cancelled == [0] and engine.idle
+    assert source.cancel(7) is None  # twice: nothing more
+    drive(hub, 1)
+    assert source.step(0.0, 10) == []
+
+
+def test_a_prompt_the_engine_refuses_fails_alone() -> None:
+    engine = ScriptedEngine({1: ([5], FinishReason.LENGTH)})
+    hub = EngineHub(engine)
+    source = ModelSource(hub, per_step=4)
+    source.admit(record(1), (-1,), 0.0)
+    source.admit(record(2), (1,), 0.0)
+    drive(hub, 1)
+    assert source.step(0.0, 10) == [ResponseRecord(1, (), FinishReason.ERROR),
+                                    ResponseRecord(2, (5,), FinishReason.LENGTH)]
+
+
+def test_channels_share_one_engine_and_a_reset_drops_only_its_own() -> None:
+    engine = ScriptedEngine({1: ([1, 2], FinishReason.LENGTH), 2: ([3, 4], FinishReason.LENGTH)})
+    hub = EngineHub(engine)
+    a, b = ModelSource(hub, per_step=4), ModelSource(hub, per_step=4)
+    a.admit(record(5), (1,), 0.0)
+    b.admit(record(5), (2,), 0.0)  # the same request id on another channel
+    drive(hub, 1)
+    a.drop_all()
+    drive(hub, 1)
+    assert a.step(0.0, 10) == []
+    assert b.step(0.0, 10) == [ResponseRecord(5, (3, 4), FinishReason.LENGTH)]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_model_peer_flags() -> None:
+    options = model_peer_options(parse("--dtype", "float32", "--kv-blocks", "100",
+                                       "--max-batched-tokens", "512", "--no-cuda-graphs"))
+    assert options.runner.dtype == "float32" and options.runner.num_blocks == 100
+    assert not options.runner.cuda_graphs and options.engine.max_batched_tokens == 512
+    with pytest.raises(ValueError, match="memory_fraction"):
+        model_peer_options(parse("--memory-fraction", "0.01"))
+    with pytest.raises(ValueError, match="max_batched_tokens"):
+        model_peer_options(parse("--max-batched-tokens", "0"))
