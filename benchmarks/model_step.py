@@ -22,7 +22,8 @@ import torch
 from benchmarks.common import record
 from dpu_frontend.model.blocks import BlockPool, BlockTable
 from dpu_frontend.model.config import ModelConfig
-from dpu_frontend.model.runner import ModelRunner, RunnerOptions
+from dpu_frontend.model.options import RunnerOptions
+from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
 from dpu_frontend.ring.records import SamplingParams
 
