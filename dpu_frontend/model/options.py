@@ -30,6 +30,9 @@ class RunnerOptions:
     max_model_len: int = 8192
     #: Decode steps as CUDA graphs (one per batch-size bucket); False: eager.
     cuda_graphs: bool = True
+    #: Token ids the sampler may draw: the tokenizer's (a model's vocabulary is padded,
+    #: Qwen3's 151,936 rows for the tokenizer's 151,669 ids); 0: every row.
+    vocab_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -38,6 +41,8 @@ class RunnerOptions:
             raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
         if not 0.1 <= self.memory_fraction <= 0.98:
             raise ValueError(f"memory_fraction {self.memory_fraction} is outside [0.1, 0.98]")
+        if self.vocab_limit < 0:
+            raise ValueError("vocab_limit must be >= 0")
         if self.num_blocks < 0 or self.max_seqs < 1 or self.max_model_len < 2:
             raise ValueError("num_blocks >= 0, max_seqs >= 1 and max_model_len >= 2")
 

@@ -10,6 +10,7 @@ produced tokens. The daemon in front of it is unchanged.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from dpu_frontend import __version__
@@ -42,7 +43,8 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     if vocab.tokenizer.get_vocab_size() > config.vocab_size:
         raise StartupError(f"the tokenizer has {vocab.tokenizer.get_vocab_size()} ids, the model "
                          f"{config.vocab_size}")
-    runner = ModelRunner(config, options.runner)
+    runner = ModelRunner(config, replace(options.runner,
+                                         vocab_limit=vocab.tokenizer.get_vocab_size()))
     runner.load()  # weights, KV cache, graphs: before the ready line
     hub = EngineHub(ModelEngine(config, runner, options.engine))
     eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))

@@ -104,6 +104,10 @@ class ModelRunner:
             if not samplers:
                 return None
             logits = self.model.logits(hidden[sample_rows])
+        limit = self.options.vocab_limit
+        if 0 < limit < logits.shape[1]:
+            # Padding rows of the embedding are no token: never drawn, no probability.
+            logits[:, limit:] = float("-inf")
         params = batch_params([(s.params, s.seed, s.generated) for s in samplers],
                               self.config.vocab_size, self.device)
         where = torch.tensor([[s.slot for s in samplers], [s.total for s in samplers]],

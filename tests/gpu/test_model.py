@@ -271,3 +271,18 @@ def test_decode_graphs_equal_the_eager_path() -> None:
     assert results[0] == results[1]
     print("12 sequences, decode steps as CUDA graphs (padded buckets) and eager: same tokens, "
           "same log probabilities bit for bit")
+
+
+def test_padding_ids_are_never_drawn() -> None:
+    """The model's vocabulary is padded past the tokenizer's: the sampler draws only
+    the tokenizer's ids (here a limit of 1,000, so that random weights would hit the
+    rest almost every time)."""
+    runner = ModelRunner(ModelConfig.default(), RunnerOptions(
+        weight_seed=SEED, num_blocks=128, max_seqs=8, max_model_len=2048, vocab_limit=1000,
+        cuda_graphs=False))
+    runner.load()
+    eng = ModelEngine(runner.config, runner, EngineOptions())
+    out = eng.generate(prompts(4, SEED + 8), [greedy(32)] + [replace(MIXED[i], max_tokens=32)
+                                                             for i in range(1, 3)] + [greedy(8)])
+    drawn = [t for c in out for t in c.tokens]
+    assert drawn and max(drawn) < 1000

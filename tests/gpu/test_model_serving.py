@@ -37,8 +37,10 @@ def model_stack() -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def offline() -> Iterator[ModelEngine]:
     config = ModelConfig.default()
+    vocab = Vocabulary.load(default_tokenizer_dir())
     runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=256, max_seqs=8,
-                                               max_model_len=2048))
+                                               max_model_len=2048,
+                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
     runner.load()
     yield ModelEngine(config, runner, EngineOptions())
     del runner
