@@ -9,20 +9,13 @@ NumPy reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW
+# The reference's hash, applied to int64 tensors: the same operators, the same bits.
+from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW, fmix32
 from dpu_frontend.ring.records import SamplingParams
-
-
-def fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x85EB_CA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2_AE35) & _MASK32
-    return x ^ (x >> 16)
 
 
 @dataclass
@@ -125,7 +118,8 @@ class Sampler:
         key = fmix32((p.step * _GOLDEN + _STEP_ADD) & _MASK32)
         key = fmix32(key ^ ((p.seed >> 32) & _MASK32))
         key = fmix32(key ^ (p.seed & _MASK32))
-        bits = fmix32(key[:, None] ^ self._token_key[None, :])
+        # fmix32 is typed for NumPy; given tensors it returns a tensor.
+        bits = cast(torch.Tensor, fmix32(key[:, None] ^ self._token_key[None, :]))
         u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
         drawn = torch.argmax(probs / -torch.log(u), dim=-1)
         return torch.where(p.temperature < GREEDY_BELOW, greedy, drawn)

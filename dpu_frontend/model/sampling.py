@@ -52,9 +52,9 @@ I64 = npt.NDArray[np.int64]
 def fmix32(x: I64) -> I64:
     """MurmurHash3's finalizer on the low 32 bits of int64 values.
 
-    Written with int64 arithmetic and masks, as the GPU sampler (torch) writes
-    it, so that both produce the same bits: products wrap modulo 2**64 and only
-    their low 32 bits are kept.
+    Written with int64 arithmetic and masks only, so that the GPU sampler applies
+    this very function to torch tensors and both produce the same bits: products
+    wrap modulo 2**64 and only their low 32 bits are kept.
     """
     x = x & _MASK32
     x = x ^ (x >> 16)
