@@ -21,10 +21,12 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
+from typing import Generic, TypeVar
 
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord
 
 DOCUMENT_SEPARATOR = "\n%%\n"
+S = TypeVar("S")
 
 
 def replay_start(prompt: Sequence[int], seed: int | None, documents: int) -> int:
@@ -70,7 +72,26 @@ class GeneratorStats:
     cancelled_ids: list[int] = field(default_factory=list)
 
 
-class TokenGenerator:
+class ActiveSequences(Generic[S]):
+    """The running sequences of a channel's source, by request id: what the peer's
+    loop asks of every source (``TokenGenerator``, the model engine's)."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, S] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def active_ids(self) -> list[int]:
+        return list(self._active)
+
+    def has(self, request_id: int) -> bool:
+        return request_id in self._active
+
+
+class TokenGenerator(ActiveSequences[_Sequence]):
     def __init__(self, *, mode: str, corpus_ids: Sequence[Sequence[int]], eos_token_ids:
                  Sequence[int], tokens_per_s: float, tokens_per_step: int) -> None:
         if mode not in ("replay", "echo"):
@@ -86,20 +107,9 @@ class TokenGenerator:
         self._corpus, self._starts = corpus_tokens(corpus_ids, eos_token_ids)
         self.tokens_per_s = tokens_per_s
         self.per_step = tokens_per_step
-        self._active: dict[int, _Sequence] = {}
+        super().__init__()
         self._turn = 0
         self.stats = GeneratorStats()
-
-    @property
-    def active(self) -> int:
-        return len(self._active)
-
-    @property
-    def active_ids(self) -> list[int]:
-        return list(self._active)
-
-    def has(self, request_id: int) -> bool:
-        return request_id in self._active
 
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
         source = self._source(prompt, record.params.seed)
