@@ -123,7 +123,10 @@ async def peers(config: ServeConfig) -> tuple[list[Finding], int]:
                                          f" of {len(layout.channels)}, {lay.req_slots} request "
                                          f"slots, {lay.arena_tokens} arena tokens, "
                                          f"{lay.resp_slots} x {lay.tokens_per_response}-token "
-                                         "response records"))
+                                         "response records, " + (
+                                             f"log probabilities ({lay.max_top_logprobs} "
+                                             "alternatives)" if lay.logprobs else
+                                             "no log probabilities")))
         finally:
             await session.close()
     return found, largest

@@ -162,7 +162,11 @@ def _peer_settings(parser: argparse.ArgumentParser, geometry: Geometry) -> None:
     add("--arena-bytes", type=int, default=geometry.arena_bytes)
     add("--resp-slots", type=int, default=geometry.resp_slots,
         help=f"response slots per channel, >= 2 x --max-sequences (default {geometry.resp_slots})")
-    add("--resp-slot-size", type=int, default=geometry.resp_slot_size)
+    add("--resp-slot-size", type=int, default=geometry.resp_slot_size,
+        help=f"bytes per response record (default {geometry.resp_slot_size})")
+    if geometry.logprobs:  # a peer whose source has a distribution (not the CUDA replay)
+        add("--logprobs", action=argparse.BooleanOptionalAction, default=True,
+            help="offer log probabilities (needs --resp-slot-size >= 96; default on)")
     add("--max-sequences", type=int, default=geometry.max_sequences,
         help=f"sequences a channel runs at once (default {geometry.max_sequences})")
     add("--max-prompt-tokens", type=int, default=geometry.max_prompt_tokens,
@@ -197,7 +201,8 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
         geometry=Geometry(channels=args.channels, req_slots=args.req_slots,
                           arena_bytes=args.arena_bytes, resp_slots=args.resp_slots,
                           resp_slot_size=args.resp_slot_size, max_sequences=args.max_sequences,
-                          max_prompt_tokens=args.max_prompt_tokens),
+                          max_prompt_tokens=args.max_prompt_tokens,
+                          logprobs=getattr(args, "logprobs", False)),
         mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", defaults.tokens_per_s),
         tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick_s", defaults.tick_s),
         tokenizer=args.tokenizer, secret_file=args.secret_file,

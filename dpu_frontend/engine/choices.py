@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from dpu_frontend.engine.service import Generation, Service, TextOptions
+from dpu_frontend.engine.service import Generation, Service, TextOptions, TokenLogprob
 from dpu_frontend.ring import SamplingParams
 
 MERGE_QUEUE_PER_CHOICE = 8
@@ -28,6 +28,7 @@ class ChoiceDelta:
     text: str
     finish_reason: str | None
     completion_tokens: int  # of this choice so far
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Choices:
@@ -66,7 +67,7 @@ async def _single(generation: Generation) -> AsyncGenerator[ChoiceDelta, None]:
     """The common case: no task, no queue."""
     async with contextlib.aclosing(generation.deltas()) as deltas:
         async for d in deltas:
-            yield ChoiceDelta(0, d.text, d.finish_reason, d.completion_tokens)
+            yield ChoiceDelta(0, d.text, d.finish_reason, d.completion_tokens, d.logprobs)
 
 
 async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, None]:
@@ -81,7 +82,7 @@ async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, 
             async with contextlib.aclosing(generation.deltas()) as deltas:
                 async for d in deltas:
                     await queue.put(ChoiceDelta(index, d.text, d.finish_reason,
-                                                d.completion_tokens))
+                                                d.completion_tokens, d.logprobs))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -24,10 +24,11 @@ from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.request import RingRequest
 from dpu_frontend.errors import PeerError, PromptTooLong, RequestError
 from dpu_frontend.metrics import Metrics
-from dpu_frontend.ring import FinishReason, SamplingParams
+from dpu_frontend.ring import FinishReason, ResponseRecord, SamplingParams
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
 from dpu_frontend.text.stop import StopMatcher
+from dpu_frontend.text.token_bytes import TokenBytes
 from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary, count_beyond, encode
 
 log = logging.getLogger("dpu_frontend.engine")
@@ -37,12 +38,23 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token with its log probability, for a request that asked."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the alternatives asked for, most likely first
+    offset: int  # characters of the completion's text before this token's
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """New text of one sequence; the last one carries the finish reason."""
 
     text: str
     finish_reason: str | None
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens of this delta, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +79,14 @@ class Service:
                                             thread_name_prefix="tokenize")
         self._local = threading.local()
         self._serialized = vocab.tokenizer.to_str()
+        self._token_bytes: TokenBytes | None = None
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Token ids as text and bytes, for log probabilities (built at first use)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.vocab.tokenizer)
+        return self._token_bytes
 
     def _tokenizer(self) -> Tokenizer:
         """In a tokenizer thread: that thread's own tokenizer."""
@@ -166,7 +186,8 @@ class Service:
         detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
                                        skip_special_tokens=options.skip_special_tokens)
         stops = StopMatcher(options.stop, include=options.include_stop)
-        return Generation(self.pool.submit(prompt, params), detok, stops)
+        return Generation(self.pool.submit(prompt, params), detok, stops, params.logprobs,
+                          self.vocab.tokenizer.get_vocab_size())
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -176,10 +197,13 @@ class Generation:
     """One submitted sequence, turned into text deltas as its records arrive."""
 
     def __init__(self, request: RingRequest, detok: IncrementalDetokenizer,
-                 stops: StopMatcher) -> None:
+                 stops: StopMatcher, logprobs: int | None = None, vocab_size: int = 0) -> None:
         self.request = request  # nothing here may fail: the request is on its way
         self._detok = detok
         self._stops = stops
+        self._logprobs = logprobs  # alternatives asked for; None: no log probabilities
+        self._vocab_size = vocab_size
+        self._chars = 0  # characters detokenized so far (the next token's text offset)
 
     def cancel(self) -> None:
         self.request.cancel()  # a no-op once the final record was read
@@ -192,7 +216,12 @@ class Generation:
         try:
             async for record in request:
                 count += len(record.tokens)
-                text = stops.feed(detok.push(record.tokens))
+                lps: tuple[TokenLogprob, ...] = ()
+                if self._logprobs is None:
+                    text = stops.feed(detok.push(record.tokens))
+                else:
+                    pushed, lps = self._push_with_logprobs(record)
+                    text = stops.feed(pushed)
                 if record.final:
                     if record.finish not in FINISH_REASONS:
                         raise PeerError(f"GPU peer ended the request with {record.finish.name}")
@@ -201,11 +230,33 @@ class Generation:
                 if stops.matched is not None:
                     # Stop generating on the GPU side at once; the rest is not wanted.
                     request.cancel()
-                    yield Delta(text, "stop", count)
+                    yield Delta(text, "stop", count, lps)
                     return
                 if record.final:
-                    yield Delta(text, FINISH_REASONS[record.finish], count)
-                elif text:
-                    yield Delta(text, None, count)
+                    yield Delta(text, FINISH_REASONS[record.finish], count, lps)
+                elif text or lps:
+                    yield Delta(text, None, count, lps)
         finally:
             self.cancel()
+
+    def _push_with_logprobs(self, record: ResponseRecord) -> tuple[str, tuple[TokenLogprob, ...]]:
+        """The record's text, a token at a time so that each token's offset is known, and
+        its tokens' log probabilities: checked, since they come from the GPU side."""
+        entries = record.logprobs
+        if record.tokens and (entries is None or len(entries) != len(record.tokens)):
+            raise PeerError("GPU peer sent tokens without the log probabilities the request "
+                            "asked for")
+        k = self._logprobs or 0
+        texts, out = [], []
+        for token, entry in zip(record.tokens, entries or (), strict=True):
+            # Fewer alternatives than asked is an answer (ids of zero probability are not
+            # listed); more are cut. Ids must be the vocabulary's: they become text.
+            top = entry.top[:k]
+            if any(t >= self._vocab_size for t, _ in top):
+                raise PeerError("GPU peer sent an alternative token id outside the "
+                                f"vocabulary ({self._vocab_size} ids)")
+            out.append(TokenLogprob(token, entry.logprob, top, self._chars))
+            text = self._detok.push((token,))
+            self._chars += len(text)
+            texts.append(text)
+        return "".join(texts), tuple(out)

@@ -49,8 +49,10 @@ log = logging.getLogger("dpu_frontend.gpu")
 
 #: GPU-like defaults: a decode step emits one record per running sequence, so a
 #: channel runs up to 1024 sequences with a response ring of two steps of them.
+#: The kernel's token source has no distribution to give log probabilities of: 64-byte
+#: slots of plain ids, FEATURE_LOGPROBS off (a request asking for them gets a 400).
 GPU_GEOMETRY = Geometry(max_sequences=1024, resp_slots=2048, max_prompt_tokens=32768,
-                        arena_bytes=8 << 20)
+                        arena_bytes=8 << 20, resp_slot_size=64, logprobs=False)
 
 
 @dataclass(frozen=True, slots=True)

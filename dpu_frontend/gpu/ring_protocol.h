@@ -33,7 +33,7 @@
 
 #define DPUF_MAGIC "DPUFRING"            /* 8 bytes, no terminator in the record */
 #define DPUF_VERSION_MAJOR 2u
-#define DPUF_VERSION_MINOR 0u
+#define DPUF_VERSION_MINOR 1u
 #define DPUF_ALIGN 128u                   /* every block, ring and prompt span */
 #define DPUF_HEADER_SIZE 128u
 #define DPUF_CHANNEL_DESC_SIZE 128u
@@ -42,6 +42,8 @@
 #define DPUF_RESPONSE_HEADER_SIZE 32u
 #define DPUF_MIN_RESPONSE_SLOT_SIZE 64u   /* a multiple of 32 */
 #define DPUF_MAX_STOP_TOKEN_IDS 8u
+#define DPUF_MAX_TOP_LOGPROBS 5u
+#define DPUF_MIN_LOGPROBS_SLOT_SIZE 96u   /* a token with its log probabilities */
 #define DPUF_MAILBOX_SIZE 128u
 #define DPUF_KERNEL_BLOCK_SIZE 128u
 
@@ -51,6 +53,11 @@
 /* request record flags */
 #define DPUF_FLAG_IGNORE_EOS (1u << 0)
 #define DPUF_FLAG_HAS_SEED (1u << 1)
+#define DPUF_FLAG_LOGPROBS (1u << 2)      /* minor 1: top_logprobs alternatives */
+/* response record flags */
+#define DPUF_RESPONSE_LOGPROBS (1u << 0)  /* payload: dpuf_token_logprobs entries */
+/* channel features (dpuf_channel_desc.features, minor 1) */
+#define DPUF_FEATURE_LOGPROBS (1u << 0)
 /* response finish reasons */
 #define DPUF_FINISH_NONE 0u
 #define DPUF_FINISH_STOP 1u
@@ -102,7 +109,9 @@ typedef struct dpuf_channel_desc {
     uint64_t dpu_ctrl_offset;   /*  56 */
     uint32_t max_sequences;     /*  64 generates the DPU may have open */
     uint32_t max_prompt_tokens; /*  68 longest prompt the GPU side accepts */
-    uint8_t reserved[56];       /*  72 zero */
+    uint32_t features;          /*  72 DPUF_FEATURE_* (minor 1; zero in minor 0) */
+    uint32_t max_top_logprobs;  /*  76 alternatives per token, <= 5, with LOGPROBS */
+    uint8_t reserved[48];       /*  80 zero */
 } dpuf_channel_desc;
 
 /* ---- control blocks ------------------------------------------------------ */
@@ -145,7 +154,8 @@ typedef struct dpuf_request {
     uint32_t n_stop_token_ids;  /*  76 <= 8 */
     uint32_t stop_token_ids[8]; /*  80 */
     uint32_t epoch;             /* 112 the attachment the DPU wrote it in */
-    uint8_t reserved[12];       /* 116 zero */
+    uint32_t top_logprobs;      /* 116 alternatives wanted, <= 5, with DPUF_FLAG_LOGPROBS */
+    uint8_t reserved[8];        /* 120 zero */
 } dpuf_request;
 
 /* Header of one response slot; u32 token ids follow at byte 32. Record at
@@ -157,9 +167,19 @@ typedef struct dpuf_response_header {
     uint32_t epoch;             /*  16 */
     uint16_t n_tokens;          /*  20 <= (resp_slot_size - 32) / 4 */
     uint8_t finish;             /*  22 DPUF_FINISH_* */
-    uint8_t flags;              /*  23 zero */
-    uint8_t reserved[8];        /*  24 zero */
+    uint8_t flags;              /*  23 DPUF_RESPONSE_* */
+    uint8_t n_top;              /*  24 alternatives per token, with DPUF_RESPONSE_LOGPROBS */
+    uint8_t reserved[7];        /*  25 zero */
 } dpuf_response_header;
+
+/* With DPUF_RESPONSE_LOGPROBS the payload at byte 32 is n_tokens of these
+ * instead of u32 ids: (resp_slot_size - 32) / 48 fit a record. */
+typedef struct dpuf_token_logprobs {
+    uint32_t token;             /*   0 */
+    float logprob;              /*   4 <= 0, -inf allowed, never NaN */
+    uint32_t top_ids[5];        /*   8 first n_top valid, most likely first */
+    float top_logprobs[5];      /*  28 */
+} dpuf_token_logprobs;
 
 /* ---- host <-> kernel (not in the RDMA region; the DPU never sees it) ----- */
 
@@ -204,6 +224,7 @@ DPUF_STATIC_ASSERT(sizeof(dpuf_gpu_ctrl) == DPUF_CTRL_SIZE, "gpu ctrl");
 DPUF_STATIC_ASSERT(sizeof(dpuf_dpu_ctrl) == DPUF_CTRL_SIZE, "dpu ctrl");
 DPUF_STATIC_ASSERT(sizeof(dpuf_request) == DPUF_REQUEST_SLOT_SIZE, "request");
 DPUF_STATIC_ASSERT(sizeof(dpuf_response_header) == DPUF_RESPONSE_HEADER_SIZE, "response");
+DPUF_STATIC_ASSERT(sizeof(dpuf_token_logprobs) == 48, "token logprobs");
 DPUF_STATIC_ASSERT(sizeof(dpuf_kernel_block) == DPUF_KERNEL_BLOCK_SIZE, "kernel block");
 DPUF_STATIC_ASSERT(sizeof(dpuf_mailbox) == DPUF_MAILBOX_SIZE, "mailbox");
 DPUF_STATIC_ASSERT(offsetof(dpuf_request, epoch) == 112, "request epoch");

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from dpu_frontend.engine.choices import ChoiceDelta
+from dpu_frontend.engine.service import TokenLogprob
 from dpu_frontend.errors import RequestError
 from dpu_frontend.http.generation import GenerationHandler, Job, envelope
+from dpu_frontend.http.logprobs import chat_logprobs
 from dpu_frontend.http.schemas import ChatCompletionRequest, ChatMessage
 from dpu_frontend.text.chat_template import ChatTemplate
 
@@ -39,14 +42,19 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
     def chunk(self, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
         message = {"content": delta.text} if delta.text else {}
         return envelope(job, self.chunk_object, [{
-            "index": delta.index, "delta": message, "logprobs": None,
+            "index": delta.index, "delta": message,
+            "logprobs": self.choice_logprobs(job, delta.logprobs),
             "finish_reason": delta.finish_reason}])
 
     def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
         return envelope(job, "chat.completion", [
             {"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
-             "logprobs": None, "finish_reason": finish[i]}
+             "logprobs": self.choice_logprobs(job, job.logprobs.get(i, [])),
+             "finish_reason": finish[i]}
             for i in sorted(finish)])
+
+    def logprobs_json(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return chat_logprobs(self.service.token_bytes, entries)
 
 
 def render(template: ChatTemplate | None, messages: list[ChatMessage], add_generation_prompt: bool,

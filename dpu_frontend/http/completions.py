@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from dpu_frontend.engine.choices import ChoiceDelta
+from dpu_frontend.engine.service import TokenLogprob
 from dpu_frontend.http.generation import GenerationHandler, Job, envelope
+from dpu_frontend.http.logprobs import completion_logprobs
 from dpu_frontend.http.schemas import CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -39,10 +42,16 @@ class CompletionsHandler(GenerationHandler[CompletionRequest]):
 
     def chunk(self, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
         return envelope(job, self.chunk_object, [{
-            "index": delta.index, "text": delta.text, "logprobs": None,
+            "index": delta.index, "text": delta.text,
+            "logprobs": self.choice_logprobs(job, delta.logprobs),
             "finish_reason": delta.finish_reason}])
 
     def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
         return envelope(job, "text_completion", [
-            {"index": i, "text": texts.get(i, ""), "logprobs": None, "finish_reason": finish[i]}
+            {"index": i, "text": texts.get(i, ""),
+             "logprobs": self.choice_logprobs(job, job.logprobs.get(i, [])),
+             "finish_reason": finish[i]}
             for i in sorted(finish)])
+
+    def logprobs_json(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return completion_logprobs(self.service.token_bytes, entries)

@@ -15,14 +15,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
 from dpu_frontend.engine.choices import ChoiceDelta, start_choices
-from dpu_frontend.engine.service import Service, TextOptions
+from dpu_frontend.engine.service import Service, TextOptions, TokenLogprob
 from dpu_frontend.errors import ClientTooSlow, PeerError, RequestError
 from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
@@ -47,7 +47,10 @@ class Job:
     prompts: list[list[int]]
     n: int
     usage_each_chunk: bool
+    wants_logprobs: bool = False
     completion_tokens: dict[int, int] = field(default_factory=dict)
+    #: Each choice's log probabilities, gathered for a non-streamed answer.
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     error: bool = False
     client_gone: bool = False
@@ -105,6 +108,14 @@ class GenerationHandler(abc.ABC, Generic[Request]):
     def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
         """The non-streamed response body."""
 
+    @abc.abstractmethod
+    def logprobs_json(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """``choices[i].logprobs`` in this endpoint's shape."""
+
+    def choice_logprobs(self, job: Job, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """``choices[i].logprobs``: null unless the request asked for them."""
+        return self.logprobs_json(entries) if job.wants_logprobs else None
+
     # -- the shared path ------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -123,7 +134,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                                       self.prompt_param)
         each_chunk = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         job = Job(f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                  prompts, req.n, each_chunk)
+                  prompts, req.n, each_chunk, req.top_logprobs_wanted is not None)
         options = TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output,
                               req.skip_special_tokens)
         choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
@@ -157,6 +168,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         try:
             async for delta in deltas:
                 texts.setdefault(delta.index, []).append(delta.text)
+                if job.wants_logprobs:
+                    job.logprobs.setdefault(delta.index, []).extend(delta.logprobs)
                 job.completion_tokens[delta.index] = delta.completion_tokens
                 if delta.finish_reason is not None:
                     finish[delta.index] = delta.finish_reason
@@ -212,7 +225,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             job.completion_tokens[delta.index] = delta.completion_tokens
             if delta.finish_reason is not None:
                 job.finish[delta.index] = delta.finish_reason
-            if delta.text or delta.finish_reason:
+            if delta.text or delta.finish_reason or delta.logprobs:
                 # One awaited write per event: aiohttp applies backpressure here.
                 await _send(response, self.chunk(job, delta) | usage())
         if include_usage:
@@ -242,4 +255,5 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
         min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        logprobs=req.top_logprobs_wanted,
     )

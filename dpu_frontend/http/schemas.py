@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic.config import JsonDict
 
 from dpu_frontend.errors import ModelNotFound, RequestError
+from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
 from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
 from dpu_frontend.text.chat_template import MAX_NESTING, nesting_exceeds, reserved_kwarg
 
@@ -48,11 +49,9 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL]  # OpenAI's int64,
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 
-#: Parameters clients send that the ring protocol v1 does not carry, with the
+#: Parameters clients send that the ring protocol does not carry, with the
 #: reason given back. A value that asks for nothing (``_OFF``) is accepted.
 UNSUPPORTED = {
-    "logprobs": "log probabilities are not carried by the ring protocol",
-    "top_logprobs": "log probabilities are not carried by the ring protocol",
     "echo": "echo is not supported",
     "best_of": "best_of is not supported; use n",
     "logit_bias": "logit_bias is not carried by the ring protocol",
@@ -71,7 +70,7 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
 }
 _OFF: dict[str, tuple[Any, ...]] = {
-    "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "reasoning_effort": (),
 }
@@ -95,6 +94,11 @@ class StreamOptions(_Strict):
 _STREAMING: JsonDict = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+#: ... top_logprobs above 0 only with logprobs: true ...
+_LOGPROBS: JsonDict = {
+    "if": {"required": ["top_logprobs"],
+           "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 #: ... and not both add_generation_prompt and continue_final_message set to true.
 _EXCLUSIVE: JsonDict = {"not": {
     "required": ["add_generation_prompt", "continue_final_message"],
@@ -155,12 +159,29 @@ class SamplingFields(_Strict):
         return _stop_list(self.stop)
 
     @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token the answer lists; None: no log probabilities."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+#: Alternatives per token the ring carries (OpenAI's completions allow 5 as well).
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), INTEGRAL]
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
+
+    logprobs: TopLogprobs | None = Field(None, description=(
+        "log probabilities of the generated tokens, with this many most likely "
+        "alternatives each"))
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     # Non-empty all the way down: an empty prompt encodes to no token at all.
     prompt: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
@@ -224,8 +245,22 @@ class _ChatRendering(_Strict):
 class ChatCompletionRequest(SamplingFields, _ChatRendering):
     """``POST /v1/chat/completions``."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, _EXCLUSIVE]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, _EXCLUSIVE, _LOGPROBS]})
     max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = Field(None, description=(
+        "most likely alternatives listed per token; needs logprobs: true"))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:

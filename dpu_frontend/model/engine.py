@@ -67,7 +67,9 @@ class ModelEngine:
         batch = self.scheduler.schedule()
         for seq in batch.admitted:
             self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
-        drawn = self.runner.step(batch, self.options.top_logprobs)
+        sampled = [w.seq for w in batch.works if w.sample]
+        wanted = [self._top_logprobs(seq) for seq in sampled]
+        drawn = self.runner.step(batch, max(wanted, default=-1))
         self.scheduler.commit(batch)
         if drawn is None:
             return []
@@ -76,19 +78,27 @@ class ModelEngine:
         top_ids = drawn.top_ids.tolist() if drawn.top_ids is not None else None
         top_lps = drawn.top_logprobs.tolist() if drawn.top_logprobs is not None else None
         events = []
-        sampled = [w.seq for w in batch.works if w.sample]
         for i, seq in enumerate(sampled):
             token = tokens[i]
             finish = self._finish(seq, token)
             emitted = finish is not FinishReason.STOP
-            top = tuple(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else ()
+            k = wanted[i]
+            logprob = chosen[i] if chosen is not None and emitted and k >= 0 else None
+            top = (tuple(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                   if top_ids is not None and top_lps is not None and logprob is not None
+                   else ())
             events.append(TokenEvent(seq.seq_id, token if emitted else None, finish,
-                                     chosen[i] if chosen and emitted else None,
-                                     top if emitted else ()))
+                                     logprob, top))
             if finish is not FinishReason.NONE:
                 self._seqs.pop(seq.seq_id, None)
                 self.scheduler.finish(seq)
         return events
+
+    def _top_logprobs(self, seq: Sequence) -> int:
+        """Alternatives ``seq`` gets with its log probabilities; -1: none. The request's
+        own ``logprobs``, or the engine-wide ``top_logprobs`` (tests, benchmarks)."""
+        asked = seq.params.logprobs
+        return max(asked if asked is not None else -1, self.options.top_logprobs)
 
     def _finish(self, seq: Sequence, token: int) -> FinishReason:
         p = seq.params

@@ -21,7 +21,7 @@ from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.model.options import ModelPeerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.source import EngineHub, ModelSource
-from dpu_frontend.peer.reference import ReferenceKernel, SequenceSource
+from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel, SequenceSource
 from dpu_frontend.peer.server import PeerServer, serve_peer
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -49,8 +49,8 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     hub = EngineHub(ModelEngine(config, runner, options.engine))
     eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
 
-    def source(channel: int, per_step: int) -> SequenceSource:
-        return ModelSource(hub, per_step)
+    def source(channel: int, space: RecordSpace) -> SequenceSource:
+        return ModelSource(hub, space)
 
     kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step)
     model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",

@@ -127,7 +127,7 @@ class Sampler:
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Drawn:
         """The model's log probabilities (before penalties and temperature)."""
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(logits.float(), dim=-1).clamp_(max=0.0)
         chosen = lp.gather(1, tokens[:, None])[:, 0]
         if k == 0:
             return Drawn(tokens, chosen, None, None)

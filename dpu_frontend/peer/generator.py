@@ -8,10 +8,16 @@ the same rules, so that both peers give byte-identical streams
 (docs/protocol.md, "The token source").
 
 It works in steps, as a GPU does: each step gives every running sequence one
-record of at most ``tokens_per_step`` tokens. Tokens come at ``tokens_per_s``
+record of at most ``tokens_per_step`` tokens (``logprob_tokens_per_step`` for a
+request that asked for log probabilities). Tokens come at ``tokens_per_s``
 per sequence (0: as fast as the ring takes them), never more than
 ``max_tokens``, and stop at EOS or a stop token id, which is not emitted.
 Pure: the caller passes ``now``.
+
+Both sources are deterministic: the distribution each token is drawn from is
+one-hot. Log probabilities say so: the token's is 0, and its only alternative
+with any probability is itself (``top`` holds it when a request asks for one
+or more alternatives; the zero-probability rest are not listed).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Generic, TypeVar
 
-from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord
+from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, TokenLogprobs
 
 DOCUMENT_SEPARATOR = "\n%%\n"
 S = TypeVar("S")
@@ -93,7 +99,8 @@ class ActiveSequences(Generic[S]):
 
 class TokenGenerator(ActiveSequences[_Sequence]):
     def __init__(self, *, mode: str, corpus_ids: Sequence[Sequence[int]], eos_token_ids:
-                 Sequence[int], tokens_per_s: float, tokens_per_step: int) -> None:
+                 Sequence[int], tokens_per_s: float, tokens_per_step: int,
+                 logprob_tokens_per_step: int = 0) -> None:
         if mode not in ("replay", "echo"):
             raise ValueError(f"mode must be replay or echo, got {mode!r}")
         if mode == "replay" and not any(corpus_ids):
@@ -102,11 +109,14 @@ class TokenGenerator(ActiveSequences[_Sequence]):
             raise ValueError("tokens_per_s must be >= 0")
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be >= 1")
+        if logprob_tokens_per_step < 0:
+            raise ValueError("logprob_tokens_per_step must be >= 0 (0: no log probabilities)")
         self.mode = mode
         self._eos = frozenset(eos_token_ids)
         self._corpus, self._starts = corpus_tokens(corpus_ids, eos_token_ids)
         self.tokens_per_s = tokens_per_s
         self.per_step = tokens_per_step
+        self.logprob_per_step = logprob_tokens_per_step
         super().__init__()
         self._turn = 0
         self.stats = GeneratorStats()
@@ -176,7 +186,7 @@ class TokenGenerator(ActiveSequences[_Sequence]):
     def _advance(self, seq: _Sequence, now: float) -> ResponseRecord | None:
         """One step of one sequence: up to ``tokens_per_step`` tokens, or its end."""
         params = seq.record.params
-        limit = self.per_step
+        limit = self.per_step if params.logprobs is None else self.logprob_per_step
         if self.tokens_per_s:
             due = int((now - seq.started) * self.tokens_per_s) + 1  # the first one at once
             limit = min(limit, due - seq.emitted)
@@ -199,4 +209,9 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         self.stats.tokens += len(tokens)
         if finish == FinishReason.NONE and seq.emitted >= params.max_tokens:
             finish = FinishReason.LENGTH
-        return ResponseRecord(seq.record.request_id, tuple(tokens), finish)
+        if params.logprobs is None:
+            return ResponseRecord(seq.record.request_id, tuple(tokens), finish)
+        # One-hot: probability 1 for the token, 0 for every other id.
+        entries = tuple(TokenLogprobs(0.0, ((t, 0.0),) if params.logprobs else ())
+                        for t in tokens)
+        return ResponseRecord(seq.record.request_id, tuple(tokens), finish, entries)

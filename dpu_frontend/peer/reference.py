@@ -25,7 +25,14 @@ from typing import Any, Protocol
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.peer.generator import GeneratorStats, TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
-from dpu_frontend.ring import CancelRecord, GenerateRecord, GpuChannel, Layout, ResponseRecord
+from dpu_frontend.ring import (
+    CancelRecord,
+    ChannelLayout,
+    GenerateRecord,
+    GpuChannel,
+    Layout,
+    ResponseRecord,
+)
 from dpu_frontend.ring.mailbox import (
     ChannelState,
     Command,
@@ -59,8 +66,22 @@ class SequenceSource(Protocol):
     def step(self, now: float, budget: int) -> list[ResponseRecord]: ...
 
 
-#: A channel's source, from the channel's index and its tokens per record.
-SourceFactory = Callable[[int, int], SequenceSource]
+@dataclass(frozen=True, slots=True)
+class RecordSpace:
+    """Tokens a source puts in one record of a channel: plain ids, and tokens with
+    their log probabilities (0 when the channel offers none)."""
+
+    tokens: int
+    logprob_tokens: int
+
+
+#: A channel's source, from the channel's index and what its records hold.
+SourceFactory = Callable[[int, RecordSpace], SequenceSource]
+
+
+def _offered(record: GenerateRecord, layout: ChannelLayout) -> bool:
+    asked = record.params.logprobs
+    return asked is None or (layout.logprobs and asked <= layout.max_top_logprobs)
 
 
 @dataclass(slots=True)
@@ -105,17 +126,21 @@ class ReferenceKernel(PeerKernel):
         region.write(0, layout.encode())
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
         for i, ch in enumerate(layout.channels):
-            per_step = min(cfg.tokens_per_step or ch.tokens_per_response, ch.tokens_per_response)
-            self._channels.append(_Channel(i, GpuChannel(region, ch), self._sources(i, per_step),
+            per_step = cfg.tokens_per_step or ch.tokens_per_response
+            space = RecordSpace(
+                min(per_step, ch.tokens_per_response),
+                min(per_step, ch.logprob_tokens_per_response) if ch.logprobs else 0)
+            self._channels.append(_Channel(i, GpuChannel(region, ch), self._sources(i, space),
                                            KernelMailbox(self._mailbox, i)))
         if cfg.transport == "shm":
             return RegionAddress(path=str(cfg.shm_path))
         return RegionAddress(host_address=region.address)
 
-    def _generator(self, channel: int, per_step: int) -> SequenceSource:
+    def _generator(self, channel: int, space: RecordSpace) -> SequenceSource:
         cfg = self.config
         return TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
-                              tokens_per_s=cfg.tokens_per_s, tokens_per_step=per_step)
+                              tokens_per_s=cfg.tokens_per_s, tokens_per_step=space.tokens,
+                              logprob_tokens_per_step=space.logprob_tokens)
 
     @property
     def mailbox(self) -> AtomicMemory:
@@ -197,8 +222,11 @@ class ReferenceKernel(PeerKernel):
                     outbox[:] = [r for r in outbox if r.request_id != record.request_id]
                     outbox.append(final)
             elif (generator.has(record.request_id)
-                  or generator.active >= ring.layout.max_sequences):
-                ring.refuse()  # a duplicate id, or a DPU that broke its sequence window
+                  or generator.active >= ring.layout.max_sequences
+                  or not _offered(record, ring.layout)):
+                # A duplicate id, a DPU that broke its sequence window, or one asking for
+                # log probabilities this channel does not offer.
+                ring.refuse()
             else:
                 generator.admit(record, prompt, now)
 

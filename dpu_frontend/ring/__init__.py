@@ -9,6 +9,7 @@ from dpu_frontend.ring.records import (
     GenerateRecord,
     ResponseRecord,
     SamplingParams,
+    TokenLogprobs,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ReadOp",
     "ResponseRecord",
     "SamplingParams",
+    "TokenLogprobs",
     "WriteOp",
     "decode_layout",
 ]

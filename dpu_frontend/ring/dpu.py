@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpu_frontend.errors import PromptTooLong, ProtocolError
+from dpu_frontend.errors import PromptTooLong, ProtocolError, RequestError
 from dpu_frontend.ring.layout import ALIGN, DPU_CTRL, GPU_CTRL, ChannelLayout, align
 from dpu_frontend.ring.records import (
     COMMIT,
@@ -117,6 +117,14 @@ class DpuChannel:
     def submit(self, request_id: int, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue a generate request; ``take_writes`` sends it when credits allow."""
         limit = self.layout.max_prompt_tokens
+        asked = params.logprobs
+        if asked is not None and not self.layout.logprobs:
+            raise RequestError("the GPU peer does not compute log probabilities",
+                               param="logprobs", code="unsupported_parameter")
+        if asked is not None and asked > self.layout.max_top_logprobs:
+            raise RequestError(f"the GPU peer gives at most {self.layout.max_top_logprobs} "
+                               f"alternatives per token, {asked} were asked for",
+                               param="logprobs")
         if len(prompt) > limit:
             raise PromptTooLong(
                 f"prompt of {len(prompt)} tokens exceeds what the GPU peer takes "

@@ -9,14 +9,14 @@ section "Layout record", is the byte-by-byte specification.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpu_frontend.errors import LayoutMismatch
 from dpu_frontend.ring.cstruct import CStruct
 
 MAGIC = b"DPUFRING"
 VERSION_MAJOR = 2
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1: log probabilities (channel features, request and response fields)
 
 #: Every block, ring and prompt span starts on a 128-byte boundary: the GPU's
 #: L2 line and a full PCIe/NIC cache line on the Arm cores, so no two owners
@@ -33,6 +33,7 @@ CHANNEL_STRUCT = CStruct("dpuf_channel_desc", (
     ("arena_offset", "Q"), ("arena_size", "Q"), ("resp_ring_offset", "Q"),
     ("resp_slots", "I"), ("resp_slot_size", "I"), ("gpu_ctrl_offset", "Q"),
     ("dpu_ctrl_offset", "Q"), ("max_sequences", "I"), ("max_prompt_tokens", "I"),
+    ("features", "I"), ("max_top_logprobs", "I"),
 ), 128)
 HEADER = HEADER_STRUCT.codec
 HEADER_SIZE = HEADER_STRUCT.size
@@ -56,6 +57,17 @@ RESPONSE_HEADER_SIZE = 32
 MIN_RESPONSE_SLOT_SIZE = 64
 #: ``n_tokens`` is a u16: a record carries at most 65535 tokens.
 MAX_RESPONSE_SLOT_SIZE = RESPONSE_HEADER_SIZE + 4 * 0xFFFF
+#: One token of a record that carries log probabilities: the id, its log probability
+#: and up to ``MAX_TOP_LOGPROBS`` alternatives (ids, then their log probabilities).
+MAX_TOP_LOGPROBS = 5
+TOKEN_LOGPROBS_STRUCT = CStruct("dpuf_token_logprobs", (
+    ("token", "I"), ("logprob", "f"), ("top_ids", f"{MAX_TOP_LOGPROBS}I"),
+    ("top_logprobs", f"{MAX_TOP_LOGPROBS}f"),
+), 48)
+#: Channel feature bits (``features`` of the channel descriptor, minor version 1).
+FEATURE_LOGPROBS = 1 << 0
+#: The smallest response slot that holds one token with its log probabilities.
+MIN_LOGPROBS_SLOT_SIZE = 96
 #: Response slots are whole 32-byte sectors, so that 128-byte-aligned rings
 #: never put two slots' headers in one sector.
 RESPONSE_SLOT_UNIT = 32
@@ -81,10 +93,22 @@ class ChannelLayout:
     dpu_ctrl_offset: int
     max_sequences: int  # generate records the DPU may have open (sent, not finished)
     max_prompt_tokens: int  # the longest prompt the GPU side takes
+    features: int = 0  # FEATURE_* bits (zero in a minor-0 layout: reserved bytes)
+    max_top_logprobs: int = 0  # alternatives per token the GPU side gives, with logprobs
 
     @property
     def tokens_per_response(self) -> int:
         return (self.resp_slot_size - RESPONSE_HEADER_SIZE) // 4
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the GPU side computes log probabilities (a request may ask for them)."""
+        return bool(self.features & FEATURE_LOGPROBS)
+
+    @property
+    def logprob_tokens_per_response(self) -> int:
+        """Tokens one record carries with their log probabilities."""
+        return (self.resp_slot_size - RESPONSE_HEADER_SIZE) // TOKEN_LOGPROBS_STRUCT.size
 
     @property
     def arena_tokens(self) -> int:
@@ -135,6 +159,7 @@ class Layout:
                 ch.arena_offset, ch.arena_size,
                 ch.resp_ring_offset, ch.resp_slots, ch.resp_slot_size,
                 ch.gpu_ctrl_offset, ch.dpu_ctrl_offset, ch.max_sequences, ch.max_prompt_tokens,
+                ch.features, ch.max_top_logprobs,
             )
         return bytes(out)
 
@@ -166,6 +191,8 @@ def decode_layout(data: bytes | memoryview) -> Layout:
         ChannelLayout(*CHANNEL.unpack_from(data, HEADER_SIZE + i * CHANNEL_SIZE))
         for i in range(count)
     )
+    if minor == 0:  # the feature words were reserved: a v2.0 peer offers no feature
+        channels = tuple(replace(ch, features=0, max_top_logprobs=0) for ch in channels)
     layout = Layout(region_size, instance, channels, major, minor)
     validate(layout)
     return layout
@@ -206,6 +233,13 @@ def validate(layout: Layout) -> None:
         if ch.resp_slots < 2 * ch.max_sequences:
             raise LayoutMismatch(f"{where}: {ch.resp_slots} response slots cannot hold two "
                                  f"steps of {ch.max_sequences} sequences")
+        if ch.logprobs and not 0 <= ch.max_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise LayoutMismatch(f"{where}: max_top_logprobs {ch.max_top_logprobs} outside "
+                                 f"[0, {MAX_TOP_LOGPROBS}]")
+        if ch.logprobs and ch.resp_slot_size < MIN_LOGPROBS_SLOT_SIZE:
+            raise LayoutMismatch(f"{where}: response slot size {ch.resp_slot_size} cannot "
+                                 "hold a token with its log probabilities "
+                                 f"({MIN_LOGPROBS_SLOT_SIZE} bytes)")
         if not 1 <= ch.max_prompt_tokens <= ch.arena_tokens:
             raise LayoutMismatch(f"{where}: max_prompt_tokens {ch.max_prompt_tokens} outside "
                                  f"[1, {ch.arena_tokens}] (the arena)")
@@ -237,9 +271,10 @@ class Geometry:
     req_slots: int = 256
     arena_bytes: int = 4 << 20
     resp_slots: int = 1024
-    resp_slot_size: int = 64
+    resp_slot_size: int = MIN_LOGPROBS_SLOT_SIZE
     max_sequences: int = 256
     max_prompt_tokens: int = 0  # 0: the whole arena
+    logprobs: bool = True  # the GPU side computes log probabilities (FEATURE_LOGPROBS)
 
     def __post_init__(self) -> None:
         if self.channels < 1:
@@ -259,6 +294,9 @@ class Geometry:
         if not 0 <= self.max_prompt_tokens <= self.arena_bytes // 4:
             raise ValueError(f"max_prompt_tokens must be in [0, {self.arena_bytes // 4}] "
                              "(0: the whole arena)")
+        if self.logprobs and self.resp_slot_size < MIN_LOGPROBS_SLOT_SIZE:
+            raise ValueError(f"resp_slot_size must be >= {MIN_LOGPROBS_SLOT_SIZE} to carry "
+                             "log probabilities (or turn them off: --no-logprobs)")
 
     @property
     def prompt_tokens(self) -> int:
@@ -282,6 +320,8 @@ class Geometry:
                 resp_slot_size=self.resp_slot_size,
                 gpu_ctrl_offset=gpu_ctrl, dpu_ctrl_offset=dpu_ctrl,
                 max_sequences=self.max_sequences, max_prompt_tokens=self.prompt_tokens,
+                features=FEATURE_LOGPROBS if self.logprobs else 0,
+                max_top_logprobs=MAX_TOP_LOGPROBS if self.logprobs else 0,
             ))
         layout = Layout(region_size=align(offset, 4096), instance=instance, channels=tuple(channels))
         validate(layout)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 from dpu_frontend.errors import ProtocolError
 from dpu_frontend.ring.cstruct import CStruct
-from dpu_frontend.ring.layout import REQUEST_SLOT_SIZE, RESPONSE_HEADER_SIZE
+from dpu_frontend.ring.layout import (
+    MAX_TOP_LOGPROBS,
+    REQUEST_SLOT_SIZE,
+    RESPONSE_HEADER_SIZE,
+    TOKEN_LOGPROBS_STRUCT,
+)
 
 #: The commit word: the record's sequence number, written last (section
 #: "Memory ordering" of docs/protocol.md).
@@ -28,19 +33,27 @@ REQUEST_STRUCT = CStruct("dpuf_request", (
     ("top_p", "f"), ("top_k", "i"), ("min_p", "f"), ("seed", "Q"),
     ("presence_penalty", "f"), ("frequency_penalty", "f"), ("repetition_penalty", "f"),
     ("n_stop_token_ids", "I"), ("stop_token_ids", f"{MAX_STOP_TOKEN_IDS}I"), ("epoch", "I"),
+    ("top_logprobs", "I"),
 ), REQUEST_SLOT_SIZE)
 REQUEST_BODY_OFFSET = 8
 #: Request record body, from byte 8 to byte 116 of the slot (then reserved zero).
 REQUEST_BODY = struct.Struct("<" + REQUEST_STRUCT.codec.format[2:])
-#: Response record header; token ids follow at byte 32.
+#: Response record header; token ids (or, with RESPONSE_LOGPROBS, 48-byte
+#: ``dpuf_token_logprobs`` entries) follow at byte 32.
 RESPONSE_STRUCT = CStruct("dpuf_response_header", (
     ("seq", "Q"), ("request_id", "Q"), ("epoch", "I"), ("n_tokens", "H"), ("finish", "B"),
-    ("flags", "B"),
+    ("flags", "B"), ("n_top", "B"),
 ), RESPONSE_HEADER_SIZE)
 RESPONSE_HEADER = RESPONSE_STRUCT.codec
+TOKEN_LOGPROBS = TOKEN_LOGPROBS_STRUCT.codec
+TOKEN_LOGPROBS_SIZE = TOKEN_LOGPROBS_STRUCT.size
 
+#: Request record flags.
 FLAG_IGNORE_EOS = 1 << 0
 FLAG_HAS_SEED = 1 << 1
+FLAG_LOGPROBS = 1 << 2  # minor version 1: log probabilities, ``top_logprobs`` alternatives
+#: Response record flags: the payload is token entries with log probabilities.
+RESPONSE_LOGPROBS = 1 << 0
 
 U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
@@ -76,6 +89,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    #: None: no log probabilities; k: the sampled token's and k alternatives (0-5).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= U32_MAX:
@@ -88,6 +103,8 @@ class SamplingParams:
             raise ValueError("seed must be a u64")
         if not -(2**31) <= self.top_k < 2**31:
             raise ValueError("top_k must fit an i32")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +128,19 @@ def encode_request_body(record: RequestRecord, epoch: int) -> bytes:
     if isinstance(record, CancelRecord):
         body = REQUEST_BODY.pack(
             RecordKind.CANCEL, 0, record.request_id, 0, 0, 0,
-            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS), epoch,
+            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS), epoch, 0,
         )
     else:
         p = record.params
-        flags = (FLAG_IGNORE_EOS if p.ignore_eos else 0) | (
-            FLAG_HAS_SEED if p.seed is not None else 0
-        )
+        flags = ((FLAG_IGNORE_EOS if p.ignore_eos else 0)
+                 | (FLAG_HAS_SEED if p.seed is not None else 0)
+                 | (FLAG_LOGPROBS if p.logprobs is not None else 0))
         stops = list(p.stop_token_ids) + [0] * (MAX_STOP_TOKEN_IDS - len(p.stop_token_ids))
         body = REQUEST_BODY.pack(
             RecordKind.GENERATE, flags, record.request_id, record.arena_offset,
             record.prompt_len, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p,
             p.seed or 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-            len(p.stop_token_ids), *stops, epoch,
+            len(p.stop_token_ids), *stops, epoch, p.logprobs or 0,
         )
     return body + bytes(REQUEST_SLOT_SIZE - REQUEST_BODY_OFFSET - len(body))
 
@@ -137,7 +154,7 @@ def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
      top_k, min_p, seed, presence, frequency, repetition, n_stop, *rest) = (
         REQUEST_BODY.unpack_from(slot, REQUEST_BODY_OFFSET)
     )
-    stops, record_epoch = rest[:MAX_STOP_TOKEN_IDS], rest[MAX_STOP_TOKEN_IDS]
+    stops, (record_epoch, top_logprobs) = rest[:MAX_STOP_TOKEN_IDS], rest[MAX_STOP_TOKEN_IDS:]
     if record_epoch != epoch:
         raise ProtocolError(f"request record of epoch {record_epoch} in epoch {epoch}")
     if kind == RecordKind.CANCEL:
@@ -156,6 +173,7 @@ def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
             presence_penalty=_f32(presence), frequency_penalty=_f32(frequency),
             repetition_penalty=_f32(repetition), stop_token_ids=tuple(stops[:n_stop]),
             ignore_eos=bool(flags & FLAG_IGNORE_EOS),
+            logprobs=top_logprobs if flags & FLAG_LOGPROBS else None,
         )
     except ValueError as exc:
         raise ProtocolError(f"request record {request_id}: {exc}") from exc
@@ -168,10 +186,20 @@ def _f32(x: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log probability and the most likely alternatives."""
+
+    logprob: float  # of the token, in the model's distribution: <= 0, -inf allowed
+    top: tuple[tuple[int, float], ...] = ()  # (id, log probability), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseRecord:
     request_id: int
     tokens: tuple[int, ...]
     finish: FinishReason = FinishReason.NONE
+    #: With a request that asked for them: one entry per token (none for the others).
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def final(self) -> bool:
@@ -180,19 +208,45 @@ class ResponseRecord:
 
 def encode_response_body(record: ResponseRecord, slot_size: int, epoch: int) -> bytes:
     """Bytes 8..slot_size of a response slot; the sequence word goes in last."""
-    capacity = (slot_size - RESPONSE_HEADER_SIZE) // 4
     n = len(record.tokens)
+    if record.logprobs is not None:
+        return _encode_logprobs_body(record, slot_size, epoch)
+    capacity = (slot_size - RESPONSE_HEADER_SIZE) // 4
     if n > capacity:
         raise ValueError(f"{n} tokens do not fit a {slot_size}-byte response record")
-    head = RESPONSE_STRUCT.pack(0, record.request_id, epoch, n, record.finish, 0)[8:]
+    head = RESPONSE_STRUCT.pack(0, record.request_id, epoch, n, record.finish, 0, 0)[8:]
     return head + struct.pack(f"<{n}I", *record.tokens) + bytes((capacity - n) * 4)
+
+
+def _encode_logprobs_body(record: ResponseRecord, slot_size: int, epoch: int) -> bytes:
+    entries = record.logprobs or ()
+    n = len(record.tokens)
+    if len(entries) != n:
+        raise ValueError(f"{n} tokens with {len(entries)} log probability entries")
+    capacity = (slot_size - RESPONSE_HEADER_SIZE) // TOKEN_LOGPROBS_SIZE
+    if n > capacity:
+        raise ValueError(f"{n} tokens with log probabilities do not fit a {slot_size}-byte "
+                         "response record")
+    n_top = max((len(e.top) for e in entries), default=0)
+    if n_top > MAX_TOP_LOGPROBS or any(len(e.top) != n_top for e in entries):
+        raise ValueError(f"every token of a record carries the same number of alternatives, "
+                         f"at most {MAX_TOP_LOGPROBS}")
+    out = bytearray(RESPONSE_STRUCT.pack(0, record.request_id, epoch, n, record.finish,
+                                         RESPONSE_LOGPROBS, n_top)[8:])
+    pad = MAX_TOP_LOGPROBS - n_top
+    for token, entry in zip(record.tokens, entries, strict=True):
+        ids = [t for t, _ in entry.top] + [0] * pad
+        lps = [lp for _, lp in entry.top] + [0.0] * pad
+        out += TOKEN_LOGPROBS.pack(token, entry.logprob, *ids, *lps)
+    return bytes(out) + bytes(slot_size - 8 - len(out))
 
 
 def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
                     slot_size: int, epoch: int) -> ResponseRecord:
     """Decode the record at ``offset``; its sequence word must be ``expected_seq`` and
     its epoch the attachment's: a record from an old epoch is never accepted."""
-    seq, request_id, record_epoch, n, finish, _flags = RESPONSE_HEADER.unpack_from(slot, offset)
+    seq, request_id, record_epoch, n, finish, flags, n_top = (
+        RESPONSE_HEADER.unpack_from(slot, offset))
     if seq != expected_seq:
         raise ProtocolError(
             f"response record {expected_seq} carries sequence {seq}: the peer published an "
@@ -203,11 +257,39 @@ def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
             f"response record {seq} belongs to epoch {record_epoch}, the channel is in "
             f"epoch {epoch}: a store from an earlier attachment"
         )
-    if n > (slot_size - RESPONSE_HEADER_SIZE) // 4:
-        raise ProtocolError(f"response record {seq} declares {n} tokens")
     try:
         reason = FinishReason(finish)
     except ValueError as exc:
         raise ProtocolError(f"response record {seq}: unknown finish reason {finish}") from exc
+    if flags:
+        return _decode_logprobs(slot, offset, seq, request_id, n, reason, flags, n_top,
+                                slot_size)
+    if n > (slot_size - RESPONSE_HEADER_SIZE) // 4:
+        raise ProtocolError(f"response record {seq} declares {n} tokens")
     tokens = struct.unpack_from(f"<{n}I", slot, offset + RESPONSE_HEADER_SIZE)
     return ResponseRecord(request_id, tokens, reason)
+
+
+def _decode_logprobs(slot: bytes | memoryview, offset: int, seq: int, request_id: int, n: int,
+                     reason: FinishReason, flags: int, n_top: int,
+                     slot_size: int) -> ResponseRecord:
+    """A record whose tokens carry log probabilities; every value is checked: a log
+    probability is a number <= 0 (-inf allowed), never NaN or positive."""
+    if flags != RESPONSE_LOGPROBS:
+        raise ProtocolError(f"response record {seq}: unknown flags {flags:#x}")
+    if n > (slot_size - RESPONSE_HEADER_SIZE) // TOKEN_LOGPROBS_SIZE:
+        raise ProtocolError(f"response record {seq} declares {n} tokens with log "
+                            "probabilities")
+    if n_top > MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"response record {seq} declares {n_top} alternatives per token")
+    tokens, entries = [], []
+    for i in range(n):
+        token, logprob, *rest = TOKEN_LOGPROBS.unpack_from(
+            slot, offset + RESPONSE_HEADER_SIZE + i * TOKEN_LOGPROBS_SIZE)
+        ids, lps = rest[:n_top], rest[MAX_TOP_LOGPROBS:MAX_TOP_LOGPROBS + n_top]
+        if not all(lp <= 0.0 for lp in (logprob, *lps)):  # NaN fails this too
+            raise ProtocolError(f"response record {seq}: a log probability is NaN or "
+                                "positive")
+        tokens.append(token)
+        entries.append(TokenLogprobs(logprob, tuple(zip(ids, lps, strict=True))))
+    return ResponseRecord(request_id, tuple(tokens), reason, tuple(entries))

@@ -107,6 +107,31 @@ def test_float32_greedy_matches_transformers(fp32_engine: ModelEngine) -> None:
     del model
 
 
+def test_logprobs_match_transformers_log_softmax(fp32_engine: ModelEngine) -> None:
+    """A request's own ``logprobs`` (5 alternatives), against transformers' log-softmax
+    of the same teacher-forced sequence, both in float32."""
+    ps = prompts(4, SEED + 9)
+    outs = fp32_engine.generate(ps, [replace(greedy(16), logprobs=5)] * len(ps))
+    model = hf_model(QWEN3_0_6B, fp32_engine.runner.model.weights.state_dict(fp32_engine.config),
+                     torch.float32)
+    worst, same_top = 0.0, 0
+    for prompt, out in zip(ps, outs, strict=True):
+        assert len(out.logprobs) == len(out.tokens) == 16 and all(len(t) == 5 for t in out.top)
+        ids = torch.tensor([prompt + out.tokens], device="cuda")
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        for j, token in enumerate(out.tokens):
+            row = expected[len(prompt) - 1 + j]
+            worst = max(worst, abs(out.logprobs[j] - float(row[token])),
+                        *(abs(lp - float(row[t])) for t, lp in out.top[j]))
+            same_top += [t for t, _ in out.top[j]] == torch.topk(row, 5).indices.tolist()
+    print(f"logprobs vs transformers' log_softmax (float32, 4 x 16 tokens, top 5): max |diff| "
+          f"{worst:.2e}; same top-5 ids in {same_top} of 64 positions")
+    assert worst < 1e-3
+    assert same_top >= 62  # a near tie among the 5th and 6th may swap them
+    del model
+
+
 def test_bfloat16_teacher_forced_logits_match_transformers() -> None:
     eng = engine("bfloat16", num_blocks=256)
     seqs = prompts(4, SEED + 1, low=200, high=400)

@@ -93,3 +93,37 @@ def test_chat_stream_with_the_sdk(model_stack: Stack) -> None:
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
     assert finish in ("length", "stop")
     assert text or finish == "stop"
+    print(f"chat stream through the daemon: {len(chunks)} chunks, finish {finish}")
+
+
+def test_logprobs_through_the_daemon_are_the_engines(model_stack: Stack,
+                                                     offline: ModelEngine) -> None:
+    """Chat ``logprobs``/``top_logprobs`` and completions ``logprobs``, streamed and not,
+    carry the engine's own values (bit for bit: batch-invariant kernels)."""
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    ids = vocab.encode(PROMPT)
+    expected = offline.generate([ids], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                       logprobs=5)])[0]
+    assert len(expected.logprobs) == len(expected.tokens) and len(expected.top[0]) == 5
+    with client(model_stack) as c:
+        full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                    logprobs=5)
+        chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                           temperature=0.0, logprobs=5, stream=True))
+        chat = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0.0,
+                                         messages=[{"role": "user", "content": "Hi"}],
+                                         logprobs=True, top_logprobs=3)
+    lp = full.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs == pytest.approx(expected.logprobs, abs=1e-6)
+    for theirs, ours in zip(lp.top_logprobs, expected.top, strict=True):
+        # Keyed by token text, so two ids of one text share an entry.
+        assert theirs and all(any(abs(v - o) < 1e-6 for _, o in ours) for v in theirs.values())
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.token_logprobs or ()]
+    assert streamed == lp.token_logprobs
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].logprob  # the most likely first
+    print(f"log probabilities through the daemon = the engine's: {len(expected.tokens)} tokens "
+          f"x 5 alternatives; first {expected.logprobs[0]:.4f}")

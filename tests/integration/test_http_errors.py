@@ -41,7 +41,7 @@ def assert_error(status: int, body: Any, expected: int, param: str | None = None
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),  # past u32
     ({"model": MODEL, "prompt": "hi", "temperature": 3}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, None),
     ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),

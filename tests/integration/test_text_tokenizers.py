@@ -31,7 +31,8 @@ def tokenizer(request: pytest.FixtureRequest) -> Iterator[tuple[str, Vocabulary,
     folder = tokenizer_dir(request.param)
     vocab = Vocabulary.load(folder)
     # One token per record, so that text arrives in as many pieces as it can.
-    peer_args = ("--tokenizer", str(folder), "--resp-slot-size", "64", "--tokens-per-step", "1")
+    peer_args = ("--tokenizer", str(folder), "--resp-slot-size", "64", "--no-logprobs",
+                 "--tokens-per-step", "1")
     with running_stack("shm", mode="echo", timeout=60, peer_args=peer_args,
                        serve_args=("--tokenizer", str(folder))) as stack:
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)

@@ -10,6 +10,7 @@ import pytest
 from dpu_frontend.model.events import TokenEvent
 from dpu_frontend.model.options import add_model_arguments, model_peer_options
 from dpu_frontend.model.source import EngineHub, ModelSource
+from dpu_frontend.peer.reference import RecordSpace
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
 
 
@@ -59,7 +60,7 @@ def test_tokens_are_packed_per_step_and_the_last_record_is_final() -> None:
     engine = ScriptedEngine({1: ([10, 11, 12, 13, 14], FinishReason.LENGTH),
                              2: ([20], FinishReason.STOP)})
     hub = EngineHub(engine)
-    source = ModelSource(hub, per_step=2)
+    source = ModelSource(hub, RecordSpace(2, 1))
     source.admit(record(100), (1,), 0.0)
     source.admit(record(200), (2,), 0.0)
     drive(hub, 1)
@@ -73,7 +74,7 @@ def test_tokens_are_packed_per_step_and_the_last_record_is_final() -> None:
 def test_the_budget_holds_records_back_without_loss() -> None:
     engine = ScriptedEngine({1: ([1, 2, 3], FinishReason.LENGTH)})
     hub = EngineHub(engine)
-    source = ModelSource(hub, per_step=1)
+    source = ModelSource(hub, RecordSpace(1, 1))
     source.admit(record(7), (1,), 0.0)
     drive(hub, 3)
     assert source.step(0.0, 2) == [ResponseRecord(7, (1,)), ResponseRecord(7, (2,))]
@@ -83,7 +84,7 @@ def test_the_budget_holds_records_back_without_loss() -> None:
 def test_cancel_stops_the_engine_sequence_and_ends_with_cancelled() -> None:
     engine = ScriptedEngine({1: ([1, 2, 3], FinishReason.LENGTH)})
     hub = EngineHub(engine)
-    source = ModelSource(hub, per_step=4)
+    source = ModelSource(hub, RecordSpace(4, 1))
     source.admit(record(7), (1,), 0.0)
     drive(hub, 1)
     assert source.cancel(7) == ResponseRecord(7, (), FinishReason.CANCELLED)
@@ -96,7 +97,7 @@ def test_cancel_stops_the_engine_sequence_and_ends_with_cancelled() -> None:
 def test_a_prompt_the_engine_refuses_fails_alone() -> None:
     engine = ScriptedEngine({1: ([5], FinishReason.LENGTH)})
     hub = EngineHub(engine)
-    source = ModelSource(hub, per_step=4)
+    source = ModelSource(hub, RecordSpace(4, 1))
     source.admit(record(1), (-1,), 0.0)
     source.admit(record(2), (1,), 0.0)
     drive(hub, 1)
@@ -107,7 +108,7 @@ def test_a_prompt_the_engine_refuses_fails_alone() -> None:
 def test_channels_share_one_engine_and_a_reset_drops_only_its_own() -> None:
     engine = ScriptedEngine({1: ([1, 2], FinishReason.LENGTH), 2: ([3, 4], FinishReason.LENGTH)})
     hub = EngineHub(engine)
-    a, b = ModelSource(hub, per_step=4), ModelSource(hub, per_step=4)
+    a, b = ModelSource(hub, RecordSpace(4, 1)), ModelSource(hub, RecordSpace(4, 1))
     a.admit(record(5), (1,), 0.0)
     b.admit(record(5), (2,), 0.0)  # the same request id on another channel
     drive(hub, 1)

@@ -26,6 +26,7 @@ from dpu_frontend.ring import (
     Geometry,
     ResponseRecord,
     SamplingParams,
+    TokenLogprobs,
 )
 from dpu_frontend.ring import layout as layout_mod
 from dpu_frontend.ring import records as records_mod
@@ -35,12 +36,13 @@ from dpu_frontend.ring.layout import (
     DPU_CTRL_STRUCT,
     GPU_CTRL_STRUCT,
     HEADER_STRUCT,
+    TOKEN_LOGPROBS_STRUCT,
 )
 from dpu_frontend.ring.mailbox import COUNTERS, KERNEL_BLOCK, MAILBOX
 from dpu_frontend.ring.records import REQUEST_STRUCT, RESPONSE_STRUCT
 
 STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQUEST_STRUCT,
-           RESPONSE_STRUCT, KERNEL_BLOCK, MAILBOX)
+           RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, KERNEL_BLOCK, MAILBOX)
 CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo}
 CONSTANTS = {
     "DPUF_VERSION_MAJOR": layout_mod.VERSION_MAJOR, "DPUF_VERSION_MINOR": layout_mod.VERSION_MINOR,
@@ -54,6 +56,11 @@ CONSTANTS = {
     "DPUF_KIND_CANCEL": records_mod.RecordKind.CANCEL,
     "DPUF_FLAG_IGNORE_EOS": records_mod.FLAG_IGNORE_EOS,
     "DPUF_FLAG_HAS_SEED": records_mod.FLAG_HAS_SEED,
+    "DPUF_FLAG_LOGPROBS": records_mod.FLAG_LOGPROBS,
+    "DPUF_RESPONSE_LOGPROBS": records_mod.RESPONSE_LOGPROBS,
+    "DPUF_FEATURE_LOGPROBS": layout_mod.FEATURE_LOGPROBS,
+    "DPUF_MAX_TOP_LOGPROBS": layout_mod.MAX_TOP_LOGPROBS,
+    "DPUF_MIN_LOGPROBS_SLOT_SIZE": layout_mod.MIN_LOGPROBS_SLOT_SIZE,
     **{f"DPUF_FINISH_{r.name}": int(r) for r in FinishReason},
     "DPUF_MAILBOX_SIZE": MAILBOX.size, "DPUF_KERNEL_BLOCK_SIZE": KERNEL_BLOCK.size,
 }
@@ -63,11 +70,12 @@ CONSTANTS = {
 PARAMS = SamplingParams(max_tokens=77, temperature=0.5, top_p=0.25, top_k=40, min_p=0.125,
                         seed=0x1122334455667788, presence_penalty=-1.5, frequency_penalty=2.0,
                         repetition_penalty=1.25, stop_token_ids=(7, 8, 151645),
-                        ignore_eos=True)
+                        ignore_eos=True, logprobs=3)
 GOLDEN_C = r"""
 static void golden(void) {
     dpuf_request g; memset(&g, 0, sizeof g);
-    g.commit = 5; g.kind = DPUF_KIND_GENERATE; g.flags = DPUF_FLAG_IGNORE_EOS | DPUF_FLAG_HAS_SEED;
+    g.commit = 5; g.kind = DPUF_KIND_GENERATE;
+    g.flags = DPUF_FLAG_IGNORE_EOS | DPUF_FLAG_HAS_SEED | DPUF_FLAG_LOGPROBS; g.top_logprobs = 3;
     g.request_id = 0xabcdef0123ull; g.arena_offset = 384; g.prompt_len = 33; g.max_tokens = 77;
     g.temperature = 0.5f; g.top_p = 0.25f; g.top_k = 40; g.min_p = 0.125f;
     g.seed = 0x1122334455667788ull; g.presence_penalty = -1.5f; g.frequency_penalty = 2.0f;
@@ -81,6 +89,13 @@ static void golden(void) {
     r.h.seq = 12; r.h.request_id = 0xabcdef0123ull; r.h.epoch = 9; r.h.n_tokens = 3;
     r.h.finish = DPUF_FINISH_LENGTH; r.tokens[0] = 1; r.tokens[1] = 65536; r.tokens[2] = 151643;
     dump("response", &r, sizeof r);
+    struct { dpuf_response_header h; dpuf_token_logprobs t[1]; uint8_t pad[16]; } l;
+    memset(&l, 0, sizeof l);
+    l.h.seq = 13; l.h.request_id = 0xabcdef0123ull; l.h.epoch = 9; l.h.n_tokens = 1;
+    l.h.finish = DPUF_FINISH_NONE; l.h.flags = DPUF_RESPONSE_LOGPROBS; l.h.n_top = 2;
+    l.t[0].token = 151643; l.t[0].logprob = -0.5f; l.t[0].top_ids[0] = 151643;
+    l.t[0].top_logprobs[0] = -0.5f; l.t[0].top_ids[1] = 9; l.t[0].top_logprobs[1] = -1.25f;
+    dump("response_logprobs", &l, sizeof l);
     dpuf_gpu_ctrl gc; memset(&gc, 0, sizeof gc);
     gc.resp_produced = 12; gc.req_consumed = 6; gc.heartbeat = 999; gc.epoch = 9;
     dump("gpu_ctrl", &gc, sizeof gc);
@@ -159,10 +174,14 @@ def _golden_python() -> dict[str, bytes]:
     generate = GenerateRecord(0xabcdef0123, 384, 33, PARAMS)
     cancel = CancelRecord(0xabcdef0123)
     response = ResponseRecord(0xabcdef0123, (1, 65536, 151643), FinishReason.LENGTH)
+    with_logprobs = ResponseRecord(0xabcdef0123, (151643,), FinishReason.NONE,
+                                   (TokenLogprobs(-0.5, ((151643, -0.5), (9, -1.25))),))
     return {
         "generate": records_mod.COMMIT.pack(5) + records_mod.encode_request_body(generate, 9),
         "cancel": records_mod.COMMIT.pack(6) + records_mod.encode_request_body(cancel, 9),
         "response": records_mod.COMMIT.pack(12) + records_mod.encode_response_body(response, 64, 9),
+        "response_logprobs": records_mod.COMMIT.pack(13)
+        + records_mod.encode_response_body(with_logprobs, 96, 9),
         "gpu_ctrl": GPU_CTRL_STRUCT.pack(12, 6, 999, 9),
         "dpu_ctrl": DPU_CTRL_STRUCT.pack(10),
     }
@@ -173,7 +192,8 @@ def _golden_python() -> dict[str, bytes]:
 GOLDEN = json.loads((Path(__file__).parent / "golden_records.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["generate", "cancel", "response", "gpu_ctrl", "dpu_ctrl"])
+@pytest.mark.parametrize("name", ["generate", "cancel", "response", "response_logprobs",
+                                  "gpu_ctrl", "dpu_ctrl"])
 def test_golden_records_are_byte_identical(c_side: dict[str, object], name: str) -> None:
     python = _golden_python()[name]
     assert c_side[name] == python.hex() == GOLDEN[name]

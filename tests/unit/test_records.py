@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dpu_frontend.errors import LayoutMismatch, ProtocolError
-from dpu_frontend.ring import CancelRecord, FinishReason, GenerateRecord, Geometry, Layout, SamplingParams
+from dpu_frontend.ring import (
+    CancelRecord,
+    FinishReason,
+    GenerateRecord,
+    Geometry,
+    Layout,
+    SamplingParams,
+    TokenLogprobs,
+)
 from dpu_frontend.ring.layout import (
     CHANNEL,
     CHANNEL_SIZE,
@@ -45,6 +53,7 @@ params_st = st.builds(
     top_k=st.integers(-1, 2**31 - 1), min_p=f32(0, 1), seed=st.none() | u64,
     presence_penalty=f32(-2, 2), frequency_penalty=f32(-2, 2), repetition_penalty=f32(0, 2),
     stop_token_ids=st.lists(u32, max_size=8).map(tuple), ignore_eos=st.booleans(),
+    logprobs=st.none() | st.integers(0, 5),
 )
 
 
@@ -101,11 +110,13 @@ def test_response_record_overflow_is_refused() -> None:
 
 @given(channels=st.integers(1, 4), req_slots=st.integers(1, 64), arena=st.integers(1, 64),
        sequences=st.integers(1, 32), extra=st.integers(0, 64),
-       resp_slot=st.sampled_from([64, 96, 128]), instance=u64.filter(bool))
+       resp_slot=st.sampled_from([64, 96, 128]), instance=u64.filter(bool),
+       logprobs=st.booleans())
 def test_layout_roundtrip(channels: int, req_slots: int, arena: int, sequences: int, extra: int,
-                          resp_slot: int, instance: int) -> None:
+                          resp_slot: int, instance: int, logprobs: bool) -> None:
+    logprobs = logprobs and resp_slot >= 96
     layout = Geometry(channels, req_slots, arena * 128, 2 * sequences + extra, resp_slot,
-                      sequences).plan(instance)
+                      sequences, logprobs=logprobs).plan(instance)
     data = layout.encode()
     assert decode_header_size(data[:HEADER_SIZE]) == len(data)
     assert decode_layout(data) == layout
@@ -127,6 +138,8 @@ def _layout() -> Layout:
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 64, 3), "two steps of 3 sequences"),
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 68, 65), "max_prompt_tokens 65"),
     (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 44, 80), "response slot size 80"),
+    (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 44, 64), "log probabilities"),
+    (lambda b: struct.pack_into("<I", b, HEADER_SIZE + 76, 6), "max_top_logprobs 6"),
 ])
 def test_layout_mismatches_are_named(patch: Callable[[bytearray], None], message: str) -> None:
     data = bytearray(_layout().encode())
@@ -140,3 +153,80 @@ def test_float_fields_read_back_as_float32() -> None:
     decoded = decode_request(bytes(8) + encode_request_body(record, 1), 1)
     assert isinstance(decoded, GenerateRecord)
     assert math.isclose(decoded.params.temperature, 0.1, rel_tol=1e-6)
+
+
+@given(request_id=u64, n_top=st.integers(0, 5), tokens=st.lists(u32, max_size=2),
+       lps=st.lists(f32(-2**100, 0) | st.just(-math.inf), min_size=12, max_size=12),
+       finish=st.sampled_from(list(FinishReason)), slot_size=st.sampled_from([96, 128, 160]))
+def test_response_record_with_logprobs_roundtrip(request_id: int, n_top: int,
+                                                 tokens: list[int], lps: list[float],
+                                                 finish: FinishReason, slot_size: int) -> None:
+    tokens = tokens[:(slot_size - 32) // 48]
+    entries = tuple(TokenLogprobs(lps[i], tuple(((t + j) % 2**32, lps[6 + j]) for j in range(n_top)))
+                    for i, t in enumerate(tokens))
+    record = ResponseRecord(request_id, tuple(tokens), finish, entries)
+    slot = struct.pack("<Q", 3) + encode_response_body(record, slot_size, 9)
+    assert len(slot) == slot_size
+    back = decode_response(slot, 0, 3, slot_size, 9)
+    assert back.tokens == record.tokens and back.finish == finish
+    assert back.logprobs is not None and len(back.logprobs) == len(tokens)
+    for got, want in zip(back.logprobs, entries, strict=True):
+        assert got.logprob == want.logprob  # f32 values survive exactly
+        assert got.top == want.top
+
+
+def test_a_record_without_logprobs_has_none() -> None:
+    slot = struct.pack("<Q", 1) + encode_response_body(ResponseRecord(4, (1, 2)), 96, 1)
+    assert decode_response(slot, 0, 1, 96, 1).logprobs is None
+
+
+def _logprob_slot(**changes: object) -> bytearray:
+    record = ResponseRecord(4, (11,), FinishReason.NONE, (TokenLogprobs(-0.25, ((11, -0.25),)),))
+    slot = bytearray(struct.pack("<Q", 1) + encode_response_body(record, 96, 1))
+    fields = {"flags": (23, "<B"), "n_top": (24, "<B"), "n_tokens": (20, "<H"),
+              "logprob": (36, "<f"), "top_logprob": (60, "<f")}
+    for name, value in changes.items():
+        offset, fmt = fields[name]
+        struct.pack_into(fmt, slot, offset, value)
+    return slot
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"flags": 2}, "unknown flags"),
+    ({"n_top": 6}, "6 alternatives"),
+    ({"n_tokens": 2}, "2 tokens with log probabilities"),
+    ({"logprob": math.nan}, "NaN or positive"),
+    ({"logprob": 0.5}, "NaN or positive"),
+    ({"top_logprob": math.nan}, "NaN or positive"),
+])
+def test_bad_logprob_records_are_protocol_errors(changes: dict[str, object], message: str) -> None:
+    decode_response(bytes(_logprob_slot()), 0, 1, 96, 1)  # the unchanged record is fine
+    with pytest.raises(ProtocolError, match=message):
+        decode_response(bytes(_logprob_slot(**changes)), 0, 1, 96, 1)
+
+
+def test_logprob_records_refuse_what_they_cannot_carry() -> None:
+    entry = TokenLogprobs(-1.0, ((1, -1.0),))
+    with pytest.raises(ValueError, match="do not fit"):
+        encode_response_body(ResponseRecord(1, (1, 2), logprobs=(entry, entry)), 96, 1)
+    with pytest.raises(ValueError, match="entries"):
+        encode_response_body(ResponseRecord(1, (1, 2), logprobs=(entry,)), 160, 1)
+    with pytest.raises(ValueError, match="same number"):
+        encode_response_body(ResponseRecord(1, (1, 2), logprobs=(entry, TokenLogprobs(-1.0))),
+                             160, 1)
+
+
+def test_a_minor_0_layout_offers_no_feature() -> None:
+    """A v2.0 peer's reserved bytes say nothing: even a stray bit there is no feature."""
+    layout = Geometry(channels=1, logprobs=True).plan(7)
+    data = bytearray(layout.encode())
+    struct.pack_into("<H", data, 10, 0)  # version_minor 0
+    ch = decode_layout(bytes(data)).channels[0]
+    assert not ch.logprobs and ch.max_top_logprobs == 0
+    assert Geometry(channels=1).plan(7).channels[0].logprobs
+
+
+def test_the_geometry_refuses_logprobs_in_small_slots() -> None:
+    with pytest.raises(ValueError, match="no-logprobs"):
+        Geometry(resp_slot_size=64)
+    assert not Geometry(resp_slot_size=64, logprobs=False).plan(1).channels[0].logprobs

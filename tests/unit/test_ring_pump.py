@@ -8,6 +8,7 @@ exactly as RDMA would apply them.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -75,7 +76,7 @@ class Pump:
         return records
 
 
-def small(**kw: int) -> Geometry:
+def small(**kw: Any) -> Geometry:
     base = {"req_slots": 4, "arena_bytes": 512, "resp_slots": 4, "max_sequences": 2}
     return Geometry(**(base | kw))
 
@@ -267,7 +268,8 @@ def test_any_interleaving_delivers_every_token_once_in_order(
 ) -> None:
     """The GPU echoes each prompt back, a few records a step; nothing is lost or reordered."""
     pump = Pump(Geometry(req_slots=req_slots, arena_bytes=1024, resp_slots=2 * sequences,
-                         resp_slot_size=64, max_sequences=sequences))  # 8 tokens per record
+                         resp_slot_size=64, logprobs=False,
+                         max_sequences=sequences))  # 8 tokens per record
     for rid, prompt in enumerate(prompts, 1):
         pump.dpu.submit(rid, prompt, SamplingParams(max_tokens=1))
     backlog: list[ResponseRecord] = []

@@ -28,8 +28,8 @@ def chat(**fields: Any) -> ChatCompletionRequest:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"logprobs": 0}, "logprobs"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),  # the ring carries 5 alternatives, as OpenAI's API
+    ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"best_of": 2}, "best_of"),
     ({"max_tokens": "5"}, "max_tokens"),
@@ -57,6 +57,21 @@ def test_completion_refusals_name_the_parameter(fields: dict[str, Any], param: s
 ])
 def test_values_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> None:
     chat(**fields)
+
+
+def test_logprobs_fields() -> None:
+    assert chat(logprobs=True).top_logprobs_wanted == 0
+    assert chat(logprobs=True, top_logprobs=5).top_logprobs_wanted == 5
+    assert chat(top_logprobs=0).top_logprobs_wanted is None
+    assert chat().top_logprobs_wanted is None
+    for fields, message in (({"top_logprobs": 2}, "needs logprobs: true"),
+                            ({"logprobs": True, "top_logprobs": 6}, "less than or equal to 5"),
+                            ({"logprobs": 1}, "valid boolean")):
+        with pytest.raises(RequestError, match=message) as info:
+            chat(**fields)
+        assert info.value.param in ("logprobs", "top_logprobs")
+    assert parse(CompletionRequest, json.dumps(
+        {"model": "m", "prompt": "x", "logprobs": 0}).encode()).top_logprobs_wanted == 0
 
 
 def test_chat_specifics() -> None:

@@ -125,3 +125,24 @@ def test_replay_start_is_crc32_of_prompt_seed_and_flag() -> None:
     assert replay_start(prompt, 7, 1000) == zlib.crc32(data) % 1000
     data = struct.pack("<3I", *prompt) + bytes(8) + b"\x00"
     assert replay_start(prompt, None, 1000) == zlib.crc32(data) % 1000
+
+
+def test_log_probabilities_are_one_hot_a_token_per_record() -> None:
+    e = TokenGenerator(mode="replay", corpus_ids=[[1, 2, 3, 4, 5]], eos_token_ids=[EOS],
+                       tokens_per_s=0, tokens_per_step=4, logprob_tokens_per_step=1)
+    for rid, k in ((1, 3), (2, 0)):
+        params = SamplingParams(6, ignore_eos=True, logprobs=k)
+        e.admit(GenerateRecord(rid, 0, 1, params), (42,), 0.0)
+    e.admit(GenerateRecord(3, 0, 1, SamplingParams(6, ignore_eos=True)), (42,), 0.0)
+    records = run(e)
+    by_id = {rid: [r for r in records if r.request_id == rid] for rid in (1, 2, 3)}
+    for rid in (1, 2):
+        assert all(len(r.tokens) <= 1 for r in by_id[rid])
+        entries = [e for r in by_id[rid] for e in r.logprobs or ()]
+        assert len(entries) == 6 and all(x.logprob == 0.0 for x in entries)
+    # One alternative has any probability: the token itself, listed when one is asked for.
+    assert [x.top for r in by_id[1] for x in r.logprobs or ()] == [
+        ((t, 0.0),) for t in tokens(by_id[1])]
+    assert all(x.top == () for r in by_id[2] for x in r.logprobs or ())
+    assert all(r.logprobs is None for r in by_id[3]) and max(len(r.tokens) for r in by_id[3]) == 4
+    assert tokens(by_id[1]) == tokens(by_id[2]) == tokens(by_id[3])
