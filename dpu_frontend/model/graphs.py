@@ -22,27 +22,60 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 44
 
 
 class DecodeGraph:
-    """One bucket: static inputs, the captured forward, the static logits."""
+    """One bucket: static inputs, the captured forward, the static logits.
+
+    The inputs are views of one device buffer, filled from one pinned host
+    buffer by a single copy per step (six pageable copies cost more than the
+    small graphs they feed)."""
 
     def __init__(self, size: int, max_blocks: int, device: torch.device) -> None:
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
+        fields = (("slots", np.int64, (size,)),  # the token buffer's row
+                  ("positions", np.int64, (size,)), ("cache_slots", np.int64, (size,)),
+                  ("tables", np.int32, (size, max_blocks)), ("ctx_start", np.int32, (size,)),
+                  ("q_len", np.int32, (size,)))
+        spans, total = [], 0
+        for name, dtype, shape in fields:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            spans.append((name, dtype, shape, total, nbytes))
+            total += -(-nbytes // 8) * 8  # every field 8-byte aligned
         self.size = size
-        self.slots = zeros(size, dtype=torch.int64)  # the token buffer's row
-        self.positions = zeros(size, dtype=torch.int64)
-        self.cache_slots = zeros(size, dtype=torch.int64)
-        self.tables = zeros(size, max_blocks)
-        self.ctx_start = zeros(size)
-        self.q_len = zeros(size)
+        self.inputs = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.staging = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the last copy out of ``staging`` is done
+        host = self.staging.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        views: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, offset, nbytes in spans:
+            self.host[name] = host[offset:offset + nbytes].view(dtype).reshape(shape)
+            views[name] = (self.inputs[offset:offset + nbytes]
+                           .view(torch.int64 if dtype == np.int64 else torch.int32).view(shape))
+        self.slots, self.positions = views["slots"], views["positions"]
+        self.cache_slots, self.tables = views["cache_slots"], views["tables"]
+        self.ctx_start, self.q_len = views["ctx_start"], views["q_len"]
         self.attn = Attention(
             positions=self.positions, cache_slots=self.cache_slots, tables=self.tables,
-            tile_seq=torch.arange(size, dtype=torch.int32, device=device), tile_row=zeros(size),
+            tile_seq=torch.arange(size, dtype=torch.int32, device=device),
+            tile_row=torch.zeros(size, dtype=torch.int32, device=device),
             q_start=torch.arange(size, dtype=torch.int32, device=device), q_len=self.q_len,
             ctx_start=self.ctx_start,
         )
         self.graph = torch.cuda.CUDAGraph()
         self.logits = torch.empty(0)
+
+    def load(self, slots: np.ndarray, positions: np.ndarray, cache_slots: np.ndarray,
+             tables: np.ndarray, scratch_slot: int) -> None:
+        """The batch's inputs into the static buffers (rows past it are padding)."""
+        self.copied.synchronize()
+        n, h = len(slots), self.host
+        h["slots"][:n], h["slots"][n:] = slots, 0
+        h["positions"][:n], h["positions"][n:] = positions, 0
+        h["cache_slots"][:n], h["cache_slots"][n:] = cache_slots, scratch_slot
+        h["tables"][:] = 0
+        h["tables"][:n, :tables.shape[1]] = tables
+        h["ctx_start"][:n], h["ctx_start"][n:] = positions, 0
+        h["q_len"][:n], h["q_len"][n:] = 1, 0
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self.copied.record()
 
     def capture(self, model: Qwen3, tokens: torch.Tensor, pool: object) -> None:
         def run() -> torch.Tensor:
@@ -85,17 +118,6 @@ class DecodeGraphs:
         bucket's static output, valid until the next replay)."""
         n = len(slots)
         g = self.bucket(n)
-        pad = g.size - n
-        cache = np.concatenate([cache_slots, np.full(pad, self.scratch_slot, dtype=np.int64)])
-        full_tables = np.zeros((g.size, self.max_blocks), dtype=np.int32)
-        full_tables[:n, :tables.shape[1]] = tables
-        q_len = np.concatenate([np.ones(n, dtype=np.int32), np.zeros(pad, dtype=np.int32)])
-        g.slots.copy_(torch.from_numpy(np.concatenate([slots, np.zeros(pad, dtype=np.int64)])))
-        g.positions.copy_(torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)])))
-        g.cache_slots.copy_(torch.from_numpy(cache))
-        g.tables.copy_(torch.from_numpy(full_tables))
-        g.ctx_start.copy_(torch.from_numpy(np.concatenate(
-            [positions.astype(np.int32), np.zeros(pad, dtype=np.int32)])))
-        g.q_len.copy_(torch.from_numpy(q_len))
+        g.load(slots, positions, cache_slots, tables, self.scratch_slot)
         g.graph.replay()
         return g.logits[:n]

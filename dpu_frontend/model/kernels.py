@@ -19,6 +19,9 @@ import triton.language as tl
 
 #: Rows (tokens x query heads of a KV group) per attention program.
 ATTN_ROWS = 64
+#: The attention kernel's warps and pipeline stages (benchmarks/attention_tiles.py).
+ATTN_WARPS = 4
+ATTN_STAGES = 2
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -47,17 +50,39 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout)."""
+#: A linear's tile: BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages.
+Tile = tuple[int, int, int, int, int]
+#: Tiles by weight shape (N, K) for 16-bit inputs; others get ``DEFAULT_TILE``.
+#: benchmarks/linear_tiles.py measures the candidates; only tiles whose output is
+#: bit for bit the default's are taken, so a tile changes speed, never a token.
+#: Measured on an H200 (docs/gpu.md, "Linear tiles"): narrower, deeper tiles for the
+#: Qwen3-0.6B projections back to the hidden size, whose N of 1024 gives the default
+#: tile too few programs to fill the GPU.
+LINEAR_TILES: dict[tuple[int, int], Tile] = {
+    (1024, 2048): (64, 32, 128, 4, 3),  # o_proj
+    (1024, 3072): (64, 32, 128, 4, 4),  # down
+}
+DEFAULT_TILE: Tile = (64, 64, 64, 4, 4)
+FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
+
+
+def linear_tile(n: int, k: int, dtype: torch.dtype) -> Tile:
+    """The tile of a weight [N, K] with inputs of ``dtype``: by shape, never by batch."""
+    if dtype == torch.float32:
+        return FLOAT32_TILE
+    return LINEAR_TILES.get((n, k), DEFAULT_TILE)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+           tile: Tile | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout); ``tile``
+    overrides the shape's own (the tile benchmark)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    if x.dtype == torch.float32:
-        bm, bn, bk, warps, stages = 32, 64, 32, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+    bm, bn, bk, warps, stages = tile or linear_tile(n, k, x.dtype)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=_precision(x.dtype),
@@ -146,14 +171,16 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tables: torch.Tensor, tile_seq: torch.Tensor, tile_row: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, ctx_start: torch.Tensor,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, *, rows: int = ATTN_ROWS, warps: int = 0,
+                    stages: int = 0) -> None:
     """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
 
     Sequence ``s`` owns query rows ``q_start[s] .. q_start[s] + q_len[s]``, at
     positions from ``ctx_start[s]``, and its keys are its block table's first
     pages. The work is cut into tiles of ``ATTN_ROWS // group`` query tokens
     (``tile_seq``, ``tile_row``: the sequence and its first token), one program
-    per tile and KV head.
+    per tile and KV head. ``rows`` is the tile's height (``ATTN_ROWS`` unless every
+    sequence has one query token); ``warps`` and ``stages`` override the module's.
     """
     _, hq, dim = q.shape
     _, hkv, page, _ = k_cache.shape
@@ -164,8 +191,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, tables, tile_seq, tile_row, q_start, q_len, ctx_start,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), tables.stride(0), dim ** -0.5,
-        GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=ATTN_ROWS, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=_precision(q.dtype),
+        num_warps=warps or ATTN_WARPS, num_stages=stages or ATTN_STAGES,
     )
 
 

@@ -10,6 +10,7 @@ slots, block tables.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -123,18 +124,17 @@ class ModelRunner:
 
     def _decode_graph(self, graphs: DecodeGraphs, batch: Batch) -> torch.Tensor:
         page = self.options.block_size
-        n = len(batch.works)
-        widest = max(len(w.seq.table.blocks) for w in batch.works)
-        tables = np.zeros((n, widest), dtype=np.int32)
-        positions = np.empty(n, dtype=np.int64)
-        cache_slots = np.empty(n, dtype=np.int64)
-        slots = np.empty(n, dtype=np.int64)
-        for i, w in enumerate(batch.works):
-            blocks = w.seq.table.blocks
-            tables[i, :len(blocks)] = blocks
-            positions[i] = w.start
-            cache_slots[i] = blocks[w.start // page] * page + w.start % page
-            slots[i] = w.seq.slot
+        works = batch.works
+        n = len(works)
+        blocks = [w.seq.table.blocks for w in works]
+        lengths = np.fromiter(map(len, blocks), np.int64, n)
+        positions = np.fromiter((w.start for w in works), np.int64, n)
+        slots = np.fromiter((w.seq.slot for w in works), np.int64, n)
+        tables = np.zeros((n, int(lengths.max())), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(blocks), np.int32, int(lengths.sum()))
+        cache_slots = (tables[np.arange(n), positions // page].astype(np.int64) * page
+                       + positions % page)
         return graphs.run(slots, positions, cache_slots, tables)
 
     def _prepare(self, batch: Batch) -> tuple[Attention, torch.Tensor, torch.Tensor, list[Sequence]]:

@@ -1,0 +1,87 @@
+"""Warps and pipeline stages of the paged-attention kernel, for decode batches, against
+the bandwidth bound of reading every sequence's K and V once.
+
+As for the linear tiles, a configuration is a candidate only when its output
+is bit for bit the current one's. Candidates vary the tile's rows too: a decode tile has one query token, so
+rows beyond the KV group's query heads are padding. The batch is decode-only (one query token
+per sequence, Qwen3-0.6B's 16 query and 8 KV heads of 128), every sequence at
+``--context`` tokens in a paged cache of 32-token blocks spread over the pool.
+GPU time from a CUDA graph of ``--reps`` launches, median of ``--iters``.
+
+    python -m benchmarks.attention_tiles --batch 1 64 256 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from functools import partial
+
+import torch
+
+from benchmarks.common import record
+from benchmarks.linear_tiles import timed
+from benchmarks.model_step import copy_bandwidth
+from dpu_frontend.model import kernels
+
+#: Tile rows, warps, stages.
+CANDIDATES = list(itertools.product((16, 32, 64), (4, 8), (2, 3, 4)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
+    hq, hkv, dim, page = 16, 8, 128, 32
+    figures: dict[str, object] = {"copy bandwidth, GB/s": round(bandwidth / 1e9, 1),
+                                  "context": args.context}
+    gen = torch.Generator(device=device).manual_seed(2)
+    current = (kernels.ATTN_ROWS, kernels.ATTN_WARPS, kernels.ATTN_STAGES)
+    for n in args.batch:
+        pages = -(-(args.context + 1) // page)
+        blocks = n * pages + 1
+        k_cache = torch.randn((blocks, hkv, page, dim), generator=gen, device=device,
+                              dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(blocks - 1, generator=gen, device=device)[:n * pages]
+        tables = tables.view(n, pages).to(torch.int32)
+        q = torch.randn((n, hq, dim), generator=gen, device=device, dtype=torch.bfloat16)
+        ones = torch.ones(n, dtype=torch.int32, device=device)
+        arange = torch.arange(n, dtype=torch.int32, device=device)
+        meta = (tables, arange, torch.zeros_like(ones), arange, ones,
+                torch.full_like(ones, args.context))
+        outs = {c: torch.empty_like(q) for c in CANDIDATES}
+        bound_us = n * (args.context + 1) * hkv * dim * 2 * 2 / bandwidth * 1e6
+        times: dict[tuple[int, int, int], float] = {}
+        for c in CANDIDATES:
+            run = partial(kernels.paged_attention, q, k_cache, v_cache, *meta, outs[c],
+                          rows=c[0], warps=c[1], stages=c[2])
+            try:
+                run()
+            except Exception as exc:  # out of resources: not a candidate
+                print(f"batch {n} {c}: {type(exc).__name__}")
+                continue
+            times[c] = timed(run, args.iters)
+        base = outs[current]
+        exact = {c: t for c, t in times.items() if torch.equal(outs[c], base)}
+        best = min(exact, key=exact.__getitem__)
+        print(f"batch {n}: bound {bound_us:.1f} us per layer; " + "  ".join(
+            f"{r}r{w}w{s}s {t:.1f}{'' if c in exact else ' (inexact)'}"
+            for c, t in times.items() for r, w, s in [c]))
+        name = "{}r{}w{}s".format
+        figures[f"batch {n}: current {name(*current)}, us / bound"] = (
+            f"{times[current]:.1f} / {bound_us:.1f} ({times[current] / bound_us:.2f}x)")
+        figures[f"batch {n}: best exact {name(*best)}, us / bound"] = (
+            f"{exact[best]:.1f} / {bound_us:.1f} ({exact[best] / bound_us:.2f}x)")
+        del k_cache, v_cache, outs
+        torch.cuda.empty_cache()
+    record("attention_tiles", figures)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
