@@ -10,7 +10,6 @@ slots, block tables.
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
@@ -19,8 +18,9 @@ import torch
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
-from dpu_frontend.model.graphs import DecodeGraphs
+from dpu_frontend.model.graphs import StepGraphs
 from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.metadata import StepInputs, step_inputs
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
 from dpu_frontend.model.sampler import Drawn, Sampler, batch_params
@@ -59,9 +59,11 @@ class ModelRunner:
         self.tokens = torch.zeros((o.max_seqs, o.max_model_len), dtype=torch.int64, device=self.device)
         self.counts = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.int32, device=self.device)
         self.in_prompt = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.bool, device=self.device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
+        #: Steps by how they ran: replayed from a decode or a mixed graph, or eager.
+        self.steps = {"decode graph": 0, "mixed graph": 0, "eager": 0}
         if o.cuda_graphs:
-            self.graphs = DecodeGraphs(self.model, self.tokens, o.max_seqs,
+            self.graphs = StepGraphs(self.model, self.tokens, o.max_seqs,
                                        -(-o.max_model_len // o.block_size),
                                        scratch_slot=self.num_blocks * o.block_size)
             self.graphs.capture()
@@ -96,15 +98,19 @@ class ModelRunner:
         if not batch.works:
             return None
         samplers = [w.seq for w in batch.works if w.sample]
+        inputs = self._inputs(batch)
         graphs = self.graphs
-        if graphs is not None and all(w.count == 1 and w.sample for w in batch.works):
-            logits = self._decode_graph(graphs, batch)
+        graph = graphs.graph_for(inputs) if graphs is not None else None
+        if graphs is not None and graph is not None:
+            self.steps["decode graph" if graph.samples is None else "mixed graph"] += 1
+            logits = graphs.run(graph, inputs)
         else:
-            attn, input_ids, sample_rows, _ = self._prepare(batch)
+            self.steps["eager"] += 1
+            attn, input_ids, sample_rows = self._eager(inputs)
             hidden = self.model.forward(input_ids, attn)
-            if not samplers:
-                return None
             logits = self.model.logits(hidden[sample_rows])
+        if not samplers:
+            return None
         limit = self.options.vocab_limit
         if 0 < limit < logits.shape[1]:
             # Padding rows of the embedding are no token: never drawn, no probability.
@@ -122,60 +128,17 @@ class ModelRunner:
             return Drawn(tokens, None, None, None)
         return Sampler.logprobs(logits, tokens, top_logprobs)
 
-    def _decode_graph(self, graphs: DecodeGraphs, batch: Batch) -> torch.Tensor:
-        page = self.options.block_size
-        works = batch.works
-        n = len(works)
-        blocks = [w.seq.table.blocks for w in works]
-        lengths = np.fromiter(map(len, blocks), np.int64, n)
-        positions = np.fromiter((w.start for w in works), np.int64, n)
-        slots = np.fromiter((w.seq.slot for w in works), np.int64, n)
-        tables = np.zeros((n, int(lengths.max())), dtype=np.int32)
-        tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(blocks), np.int32, int(lengths.sum()))
-        cache_slots = (tables[np.arange(n), positions // page].astype(np.int64) * page
-                       + positions % page)
-        return graphs.run(slots, positions, cache_slots, tables)
+    def _inputs(self, batch: Batch) -> StepInputs:
+        return step_inputs(batch, self.options.block_size, ATTN_ROWS // self.config.group_size)
 
-    def _prepare(self, batch: Batch) -> tuple[Attention, torch.Tensor, torch.Tensor, list[Sequence]]:
-        page = self.options.block_size
-        per_tile = ATTN_ROWS // self.config.group_size
-        slots, positions, cache_slots = [], [], []
-        q_start, q_len, ctx_start, tile_seq, tile_row, sample_rows = [], [], [], [], [], []
-        samplers = []
-        widest = max(len(w.seq.table.blocks) for w in batch.works)
-        tables = np.zeros((len(batch.works), widest), dtype=np.int32)
-        row = 0
-        for i, w in enumerate(batch.works):
-            blocks = np.asarray(w.seq.table.blocks, dtype=np.int64)
-            tables[i, :len(blocks)] = blocks
-            pos = np.arange(w.start, w.start + w.count, dtype=np.int64)
-            positions.append(pos)
-            cache_slots.append(blocks[pos // page] * page + pos % page)
-            slots.append(np.full(w.count, w.seq.slot, dtype=np.int64))
-            q_start.append(row)
-            q_len.append(w.count)
-            ctx_start.append(w.start)
-            first = np.arange(0, w.count, per_tile, dtype=np.int32)
-            tile_seq.append(np.full(len(first), i, dtype=np.int32))
-            tile_row.append(first)
-            row += w.count
-            if w.sample:
-                sample_rows.append(row - 1)
-                samplers.append(w.seq)
+    def _eager(self, step: StepInputs) -> tuple[Attention, torch.Tensor, torch.Tensor]:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device)
 
-        def dev(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=self.device, dtype=dtype)
+        positions = dev(step.positions)
+        attn = Attention(positions=positions, cache_slots=dev(step.cache_slots),
+                         tables=dev(step.tables), tile_seq=dev(step.tile_seq),
+                         tile_row=dev(step.tile_row), q_start=dev(step.q_start),
+                         q_len=dev(step.q_len), ctx_start=dev(step.ctx_start))
+        return attn, self.tokens[dev(step.slots), positions], dev(step.sample_rows)
 
-        pos_all = dev(np.concatenate(positions), torch.int64)
-        attn = Attention(
-            positions=pos_all, cache_slots=dev(np.concatenate(cache_slots), torch.int64),
-            tables=dev(tables), tile_seq=dev(np.concatenate(tile_seq)),
-            tile_row=dev(np.concatenate(tile_row)),
-            q_start=dev(np.asarray(q_start, dtype=np.int32)),
-            q_len=dev(np.asarray(q_len, dtype=np.int32)),
-            ctx_start=dev(np.asarray(ctx_start, dtype=np.int32)),
-        )
-        input_ids = self.tokens[dev(np.concatenate(slots), torch.int64), pos_all]
-        rows = dev(np.asarray(sample_rows, dtype=np.int64), torch.int64)
-        return attn, input_ids, rows, samplers

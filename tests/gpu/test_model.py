@@ -167,7 +167,8 @@ def full_logits(eng: ModelEngine, ids: list[int], slot: int) -> torch.Tensor:
     seq.slot = slot
     assert seq.table.reserve(len(ids))
     eng.runner.load_prompt(seq, ids)
-    attn, input_ids, _, _ = eng.runner._prepare(Batch(works=[Work(seq, 0, len(ids), False)]))
+    batch = Batch(works=[Work(seq, 0, len(ids), False)])
+    attn, input_ids, _ = eng.runner._eager(eng.runner._inputs(batch))
     hidden = eng.runner.model.forward(input_ids, attn)
     seq.table.release()
     return eng.runner.model.logits(hidden)
@@ -281,20 +282,26 @@ def test_blocks_reused_after_cancel_and_full_cache_waits() -> None:
           f"{preempted} preemptions, every sequence equal to its run alone")
 
 
-def test_decode_graphs_equal_the_eager_path() -> None:
+def test_graphs_equal_the_eager_path() -> None:
+    """Decode graphs and mixed graphs (prefill chunks beside decodes: a 256-token
+    budget makes the 12 prompts' prefills interleave with the first ones' decodes)."""
     ps = prompts(12, SEED + 7)
     params = [replace(MIXED[i % 3], seed=i) for i in range(len(ps))]
-    results = []
+    results, steps = [], []
     for graphs in (True, False):
         runner = ModelRunner(ModelConfig.default(), RunnerOptions(
             weight_seed=SEED, num_blocks=512, max_seqs=16, cuda_graphs=graphs))
         runner.load()
-        eng = ModelEngine(runner.config, runner, EngineOptions(top_logprobs=2))
+        eng = ModelEngine(runner.config, runner, EngineOptions(top_logprobs=2,
+                                                                max_batched_tokens=256))
         results.append([(c.tokens, c.logprobs) for c in eng.generate(ps, params)])
+        steps.append(dict(runner.steps))
         del eng, runner
         torch.cuda.empty_cache()
     assert results[0] == results[1]
-    print("12 sequences, decode steps as CUDA graphs (padded buckets) and eager: same tokens, "
+    assert steps[0]["mixed graph"] > 0 and steps[0]["decode graph"] > 0
+    assert steps[0]["eager"] == 0 and steps[1]["eager"] == sum(steps[1].values())
+    print(f"12 sequences, steps as CUDA graphs ({steps[0]}) and eager: same tokens, "
           "same log probabilities bit for bit")
 
 

@@ -1,0 +1,73 @@
+"""A step's metadata, vectorized, against the per-work loop it replaced."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dpu_frontend.model.blocks import BlockPool, BlockTable
+from dpu_frontend.model.metadata import StepInputs, step_inputs
+from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
+from dpu_frontend.ring.records import SamplingParams
+
+PAGE, PER_TILE = 16, 32
+
+
+def loop_reference(batch: Batch) -> dict[str, np.ndarray]:
+    out: dict[str, list[int]] = {k: [] for k in (
+        "slots", "positions", "cache_slots", "tile_seq", "tile_row", "q_start", "q_len",
+        "ctx_start", "sample_rows")}
+    row = 0
+    for i, w in enumerate(batch.works):
+        blocks = w.seq.table.blocks
+        for pos in range(w.start, w.start + w.count):
+            out["positions"].append(pos)
+            out["cache_slots"].append(blocks[pos // PAGE] * PAGE + pos % PAGE)
+            out["slots"].append(w.seq.slot)
+        for first in range(0, w.count, PER_TILE):
+            out["tile_seq"].append(i)
+            out["tile_row"].append(first)
+        out["q_start"].append(row)
+        out["q_len"].append(w.count)
+        out["ctx_start"].append(w.start)
+        row += w.count
+        if w.sample:
+            out["sample_rows"].append(row - 1)
+    widest = max(len(w.seq.table.blocks) for w in batch.works)
+    tables = np.zeros((len(batch.works), widest), dtype=np.int32)
+    for i, w in enumerate(batch.works):
+        tables[i, :len(w.seq.table.blocks)] = w.seq.table.blocks
+    return {k: np.asarray(v) for k, v in out.items()} | {"tables": tables}
+
+
+def batch_of(rng: random.Random, decode_only: bool) -> Batch:
+    pool = BlockPool(4096, PAGE)
+    pool.allocate(rng.randrange(50))  # tables start anywhere
+    works = []
+    for i in range(rng.randrange(1, 40)):
+        start = rng.randrange(0, 300)
+        count = 1 if decode_only or rng.random() < 0.5 else rng.randrange(1, 200)
+        seq = Sequence(i, start + count, SamplingParams(max_tokens=8), seed=0, limit=1 << 20,
+                       table=BlockTable(pool), slot=rng.randrange(256), computed=start,
+                       status=Status.RUNNING)
+        assert seq.table.reserve(start + count)
+        works.append(Work(seq, start, count, decode_only or rng.random() < 0.7))
+    return Batch(works=works)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_the_vectorized_metadata_equals_the_loop(decode_only: bool) -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        batch = batch_of(rng, decode_only)
+        got = step_inputs(batch, PAGE, PER_TILE)
+        want = loop_reference(batch)
+        for name, expected in want.items():
+            value = getattr(got, name)
+            assert value.tolist() == expected.tolist(), name
+        assert got.tile_seq.dtype == got.q_len.dtype == got.tables.dtype == np.int32
+        assert got.positions.dtype == got.cache_slots.dtype == got.slots.dtype == np.int64
+        assert isinstance(got, StepInputs) and got.decode == (
+            decode_only and all(w.sample for w in batch.works))
