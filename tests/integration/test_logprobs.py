@@ -9,7 +9,6 @@ log-softmax are checked on the GPU (tests/gpu/test_model_serving.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -18,22 +17,10 @@ import pytest
 from openai import OpenAI
 
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.integration.scenarios import CHAT, chat_prompt_ids, load_vocab, replay_generation
+from tests.integration.scenarios import CHAT, chat_prompt_ids, replay_generation
 from tests.stack import MODEL, Stack, running_stack
 
 PROMPT = "Tell me about streaming text."
-
-
-@pytest.fixture(scope="module")
-def vocab() -> Vocabulary:
-    return load_vocab()
-
-
-@pytest.fixture
-def client(stack: Stack) -> Iterator[OpenAI]:
-    c = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
-    yield c
-    c.close()
 
 
 def test_chat_logprobs_streamed_and_not(client: OpenAI, vocab: Vocabulary) -> None:

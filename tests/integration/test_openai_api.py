@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -16,7 +15,6 @@ from tests.integration.scenarios import (
     CHAT,
     chat_prompt_ids,
     check_chat_stream_sdk,
-    load_vocab,
     peer_generation,
     replay_generation,
 )
@@ -24,18 +22,6 @@ from tests.stack import MODEL, Stack
 
 PROMPT = "Tell me about streaming text."
 
-
-
-@pytest.fixture(scope="module")
-def vocab() -> Vocabulary:
-    return load_vocab()
-
-
-@pytest.fixture
-def client(stack: Stack) -> Iterator[OpenAI]:
-    c = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0)
-    yield c
-    c.close()
 
 
 async def test_chat_stream_async_sdk(stack: Stack) -> None:
