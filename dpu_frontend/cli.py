@@ -108,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--tokens-per-s", type=float, default=defaults.tokens_per_s,
                       help="per-sequence generation rate, 0: as fast as the ring takes "
                            "(default %(default)s)")
-    peer.add_argument("--tick", dest="tick_s", metavar="SECONDS", type=float, default=defaults.tick_s,
-                      help="engine step period, seconds (default %(default)s)")
+    _pace(peer, "engine step period")
 
     gpu = sub.add_parser("gpu-peer", help="run the CUDA peer: the ring served by a persistent "
                                           "GPU kernel (needs a CUDA GPU and nvcc)")
@@ -119,8 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model-peer", help="run the model engine behind the ring, "
                                               "host-driven (needs a CUDA GPU, torch, Triton)")
     _peer_settings(model, Geometry())
-    model.add_argument("--tick", dest="tick_s", metavar="SECONDS", type=float,
-                       default=defaults.tick_s, help="idle poll period, seconds (default %(default)s)")
+    _pace(model, "idle poll period")
     add_model_arguments(model)
 
     stats = sub.add_parser("peer-stats", help="print a GPU peer's per-channel counters (JSON)")
@@ -143,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a directory the VM may write (results, logs); repeatable")
     softroce.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return parser
+
+
+def _pace(parser: argparse.ArgumentParser, tick: str) -> None:
+    """The host-driven peers' clocks: the loop's tick and the heartbeat's period."""
+    defaults = PeerConfig()
+    parser.add_argument("--tick", dest="tick_s", metavar="SECONDS", type=float,
+                        default=defaults.tick_s, help=f"{tick}, seconds (default %(default)s)")
+    parser.add_argument("--heartbeat", dest="heartbeat_s", metavar="SECONDS", type=float,
+                        default=defaults.heartbeat_s,
+                        help="heartbeat period, seconds; keep the daemons' peer_timeout at "
+                             "least 4 times it (default %(default)s)")
 
 
 def _peer_settings(parser: argparse.ArgumentParser, geometry: Geometry) -> None:
@@ -205,6 +214,7 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
                           logprobs=getattr(args, "logprobs", False)),
         mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", defaults.tokens_per_s),
         tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick_s", defaults.tick_s),
+        heartbeat_s=getattr(args, "heartbeat_s", defaults.heartbeat_s),
         tokenizer=args.tokenizer, secret_file=args.secret_file,
     )
 

@@ -278,6 +278,8 @@ class PeerConfig:
     tokens_per_s: float = 50.0
     tokens_per_step: int = 0  # tokens per sequence per engine step; 0: a full record
     tick_s: float = 0.001
+    #: The heartbeat's period: 20 beats within the daemon's default 1 s peer timeout.
+    heartbeat_s: float = 0.05
     tokenizer: Path | None = None
     # The secret shared with the daemons: a hello that does not prove it gets no
     # channel, no region address, no rkey and no QP (control/auth.py).
@@ -291,5 +293,7 @@ class PeerConfig:
             raise ValueError("tokens_per_s must be >= 0 (0: as fast as possible)")
         if not 0 < self.tick_s <= 1:
             raise ValueError("tick_s must be in (0, 1]")
+        if not 0.001 <= self.heartbeat_s <= 1:
+            raise ValueError("heartbeat_s must be in [0.001, 1]")
         if self.tokens_per_step < 0:
             raise ValueError("tokens_per_step must be >= 0 (0: a full record per step)")

@@ -45,9 +45,6 @@ from dpu_frontend.transport.shm import map_file
 
 log = logging.getLogger("dpu_frontend.peer")
 
-#: The heartbeat's period: 20 beats within the daemon's default 1 s peer timeout.
-HEARTBEAT_S = 0.05
-
 
 class SequenceSource(Protocol):
     """Where a channel's sequences get their tokens: ``TokenGenerator`` (replay, echo)
@@ -159,7 +156,7 @@ class ReferenceKernel(PeerKernel):
         while self._failure is None:
             for channel in self._channels:
                 channel.ring.beat()
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.config.heartbeat_s)
 
     def failure(self) -> str | None:
         return self._failure

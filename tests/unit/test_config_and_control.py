@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from dpu_frontend.cli import build_parser, peer_config
 from dpu_frontend.config import PeerAddress, PeerConfig, ServeConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import LayoutMismatch, PeerError
@@ -36,6 +37,7 @@ def test_serve_config_names_the_bad_field(kwargs: dict[str, Any], message: str) 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mode": "dream"}, "mode"), ({"tokens_per_s": -1}, "tokens_per_s"), ({"tick_s": 0}, "tick_s"),
+    ({"heartbeat_s": 0}, "heartbeat_s"), ({"heartbeat_s": 2}, "heartbeat_s"),
 ])
 def test_peer_config_names_the_bad_field(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -100,3 +102,11 @@ async def test_truncated_frame_is_a_peer_error() -> None:
     reader.feed_eof()
     with pytest.raises(PeerError, match="closed"):
         await messages.receive(reader)
+
+
+def test_the_host_driven_peers_take_a_heartbeat_period() -> None:
+    for command in ("peer", "model-peer"):
+        args = build_parser().parse_args([command, "--heartbeat", "0.02", "--tick", "0.005"])
+        config = peer_config(args)
+        assert (config.heartbeat_s, config.tick_s) == (0.02, 0.005)
+    assert peer_config(build_parser().parse_args(["peer"])).heartbeat_s == PeerConfig().heartbeat_s
