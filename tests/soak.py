@@ -173,16 +173,18 @@ async def capacity(url: str, seconds: float, rng: random.Random) -> float:
     return scratch.finished / seconds
 
 
+def sum_samples(text: str, name: str, where: str = "") -> float:
+    """The sum of a metric's samples, in a Prometheus text page, whose labels
+    contain ``where``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and where in line)
+
+
 async def metric(http: aiohttp.ClientSession, url: str, name: str,
                  where: str = "") -> float:
     """The sum of a metric's samples whose labels contain ``where``."""
     async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and where in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        return sum_samples(await resp.text(), name, where)
 
 
 async def in_flight(http: aiohttp.ClientSession, url: str) -> int:

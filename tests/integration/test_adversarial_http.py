@@ -12,7 +12,7 @@ import socket
 import aiohttp
 
 from tests.integration.lifecycle import eventually, outcome, read_events
-from tests.soak import open_fds, rss_bytes
+from tests.soak import open_fds, rss_bytes, sum_samples
 from tests.stack import MODEL, Stack, running_stack
 
 IDLE = 10_000
@@ -38,8 +38,7 @@ async def metric(stack: Stack, name: str, where: str = "") -> float:
             text = await resp.text()
     except aiohttp.ClientError:
         return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and where in line)
+    return sum_samples(text, name, where)
 
 
 async def in_flight(stack: Stack) -> int:
