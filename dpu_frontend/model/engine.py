@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.events import TokenEvent
 from dpu_frontend.model.options import EngineOptions
-from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Scheduler, Sequence
 from dpu_frontend.ring.records import FinishReason, SamplingParams
+
+if TYPE_CHECKING:  # torch: the engine's logic runs (and is tested) without it
+    from dpu_frontend.model.runner import ModelRunner
+    from dpu_frontend.model.sampler import Drawn
 
 
 @dataclass
@@ -28,6 +32,17 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish: FinishReason = FinishReason.NONE
+
+
+@dataclass
+class _Launched:
+    """A batch on its way through the GPU: its sampling sequences, each one's length
+    with this step's token, the alternatives each asked for, the tokens (unread)."""
+
+    sampled: list[Sequence]
+    totals: list[int]
+    wanted: list[int]
+    drawn: Drawn
 
 
 class ModelEngine:
@@ -43,6 +58,7 @@ class ModelEngine:
         self.eos = frozenset(config.eos_token_ids)
         self._prompts: dict[int, list[int]] = {}
         self._seqs: dict[int, Sequence] = {}
+        self._inflight: _Launched | None = None
 
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
         if seq_id in self._seqs:
@@ -61,9 +77,33 @@ class ModelEngine:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        """Nothing to schedule, and no batch on its way holds a live sequence (one
+        whose every sequence was cancelled or stopped is landed by the next step,
+        whenever that comes, and gives nothing)."""
+        inflight = self._inflight
+        return self.scheduler.idle and (inflight is None or not any(
+            self._seqs.get(seq.seq_id) is seq for seq in inflight.sampled))
 
     def step(self) -> list[TokenEvent]:
+        """Launch the next batch; return the events of a batch that ran.
+
+        With ``overlap`` that is the *previous* batch (without, this one's): the GPU runs
+        this step's batch while the host reads the previous one's tokens, judges
+        them and builds the next step, so the host's time hides behind the GPU's.
+        The next batch is scheduled before the previous one's tokens are known:
+        a sequence stopped by one of them (an EOS or stop id) runs one step more,
+        whose token is dropped. Lengths are known without the tokens, so nothing
+        runs past ``max_tokens`` or the context. Token values stay on the GPU
+        between the two (the runner's token buffer); the batches' results are
+        the same either way (batch-invariant kernels, seeded draws by index).
+        """
+        launched = self._launch()
+        if not self.options.overlap:
+            return self._land(launched) if launched is not None else []
+        previous, self._inflight = self._inflight, launched
+        return self._land(previous) if previous is not None else []
+
+    def _launch(self) -> _Launched | None:
         batch = self.scheduler.schedule()
         for seq in batch.admitted:
             self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
@@ -72,17 +112,30 @@ class ModelEngine:
         drawn = self.runner.step(batch, max(wanted, default=-1))
         self.scheduler.commit(batch)
         if drawn is None:
-            return []
+            return None
+        totals = [seq.total for seq in sampled]  # with this step's token
+        for seq, total in zip(sampled, totals, strict=True):
+            if total >= seq.limit:
+                # Its last token is on its way: it takes no further step, its blocks
+                # and slot go to the next ones (the GPU runs steps in order).
+                self.scheduler.finish(seq)
+        return _Launched(sampled, totals, wanted, drawn)
+
+    def _land(self, launched: _Launched) -> list[TokenEvent]:
+        """Wait for a launched batch's tokens; judge each against its stop rules."""
+        drawn = launched.drawn
         tokens = drawn.tokens.tolist()
         chosen = drawn.logprob.tolist() if drawn.logprob is not None else None
         top_ids = drawn.top_ids.tolist() if drawn.top_ids is not None else None
         top_lps = drawn.top_logprobs.tolist() if drawn.top_logprobs is not None else None
         events = []
-        for i, seq in enumerate(sampled):
+        for i, seq in enumerate(launched.sampled):
+            if self._seqs.get(seq.seq_id) is not seq:
+                continue  # stopped by an earlier token, or cancelled: nobody wants this one
             token = tokens[i]
-            finish = self._finish(seq, token)
+            finish = self._finish(seq, token, launched.totals[i])
             emitted = finish is not FinishReason.STOP
-            k = wanted[i]
+            k = launched.wanted[i]
             logprob = chosen[i] if chosen is not None and emitted and k >= 0 else None
             top = (tuple(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                    if top_ids is not None and top_lps is not None and logprob is not None
@@ -100,11 +153,12 @@ class ModelEngine:
         asked = seq.params.logprobs
         return max(asked if asked is not None else -1, self.options.top_logprobs)
 
-    def _finish(self, seq: Sequence, token: int) -> FinishReason:
+    def _finish(self, seq: Sequence, token: int, total: int) -> FinishReason:
+        """``total``: the sequence's tokens with this one."""
         p = seq.params
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
-        if seq.total >= seq.limit:
+        if total >= seq.limit:
             return FinishReason.LENGTH
         return FinishReason.NONE
 

@@ -50,8 +50,12 @@ class RunnerOptions:
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     max_batched_tokens: int = 2048
-    #: Log probabilities with this many alternatives (-1: none).
+    #: Log probabilities with this many alternatives for every sequence (-1: only
+    #: for the requests that ask).
     top_logprobs: int = -1
+    #: Build and launch the next step while the GPU runs this one (ModelEngine.step).
+    #: Off by default until the whole GPU suite has run with it (docs/gpu.md).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -92,7 +96,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-batched-tokens", type=int, default=e.max_batched_tokens,
         help="tokens per engine step: decodes plus prefill chunks (default %(default)s)")
     add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-        help="run decode steps eagerly")
+        help="run every step eagerly")
+    add("--overlap", action="store_true",
+        help="launch the next step while the GPU runs this one (see docs/gpu.md)")
 
 
 def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
@@ -104,4 +110,5 @@ def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
         max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
     )
     return ModelPeerOptions(args.model_config, runner,
-                            EngineOptions(max_batched_tokens=args.max_batched_tokens))
+                            EngineOptions(max_batched_tokens=args.max_batched_tokens,
+                                          overlap=args.overlap))

@@ -129,6 +129,7 @@ def test_model_peer_flags() -> None:
                                        "--max-batched-tokens", "512", "--no-cuda-graphs"))
     assert options.runner.dtype == "float32" and options.runner.num_blocks == 100
     assert not options.runner.cuda_graphs and options.engine.max_batched_tokens == 512
+    assert not options.engine.overlap and model_peer_options(parse("--overlap")).engine.overlap
     with pytest.raises(ValueError, match="memory_fraction"):
         model_peer_options(parse("--memory-fraction", "0.01"))
     with pytest.raises(ValueError, match="max_batched_tokens"):
