@@ -10,7 +10,9 @@ reports output tokens/s, TTFT and TPOT p50/p99, and the peer process's CPU
 seconds per 1,000 generated tokens (the host-driven figure the CPU-free path
 drives to zero). Beside them, the bound: the decode throughput the GPU's copy
 bandwidth allows for the same mix (every weight and the K and V of each
-sequence's context read once per step, at the batch the peer allows).
+sequence's context read once per step, at the batch the peer allows). The load
+generator is ``benchmarks.loadgen``: ``--clients`` processes, whose CPU is
+reported beside the daemon's, so that neither passes for the model's limit.
 
     python -m benchmarks.sharegpt_lengths --out build/sharegpt-lengths.json   # with network
     python -m benchmarks.model_serving --lengths build/sharegpt-lengths.json --rates 4 16 64 inf
@@ -19,86 +21,32 @@ sequence's context read once per step, at the batch the peer allows).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
 import statistics
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import torch
 
 from benchmarks.common import record
+from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
-from tests.stack import MODEL, running_stack
+from tests.stack import running_stack
 
 VOCAB_LOW, VOCAB_HIGH = 100, 150_000
 
 
-@dataclass
-class Result:
-    ttft: float
-    tpot: float | None
-    tokens: int
-
-
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Result:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            if not raw.startswith(b"data: {"):
-                continue
-            chunk = json.loads(raw[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if first is None or last is None:
-        raise RuntimeError("a stream without a token")
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return Result(first - start, tpot, tokens)
-
-
-async def run_rate(url: str, pairs: list[tuple[int, int]], rate: float, count: int,
-                   rng: random.Random) -> tuple[list[Result], float]:
-    """``count`` requests, Poisson arrivals at ``rate`` per second (inf: all at once)."""
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        tasks = []
-        start = time.perf_counter()
-        for _ in range(count):
-            p, o = rng.choice(pairs)
-            prompt = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)]
-            tasks.append(asyncio.create_task(one(session, url, prompt, o)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """User + system seconds of a process and, recursively, its live children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 def bound_tokens_per_s(pairs: list[tuple[int, int]], batch: int, bandwidth: float) -> float:
@@ -118,43 +66,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[4, 16, 64, float("inf")])
     ap.add_argument("--requests", type=int, default=400, help="per rate")
     ap.add_argument("--workers", type=int, default=2, help="daemon worker processes")
+    ap.add_argument("--clients", type=int, default=4, help="load generator processes")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=20261126)
+    ap.add_argument("--peer-arg", action="append", default=[],
+                    help="one more model-peer flag (repeat), e.g. --peer-arg=--overlap")
     args = ap.parse_args(argv)
 
     pairs = [tuple(p) for p in json.loads(args.lengths.read_text())["pairs"]]
     rng = random.Random(args.seed)
     bandwidth = copy_bandwidth(torch.device("cuda", 0), size=2 << 30)
     peer_args = ("--channels", str(args.workers), "--max-seqs", str(args.max_seqs),
-                 "--max-model-len", "4096", "--max-sequences", "1024", "--resp-slots", "2048")
+                 "--max-model-len", "4096", "--max-sequences", "1024", "--resp-slots", "2048",
+                 *args.peer_arg)
     figures: dict[str, object] = {
         "lengths": f"{len(pairs)} ShareGPT pairs, prompt mean "
                    f"{statistics.mean(p for p, _ in pairs):.0f}, output mean "
                    f"{statistics.mean(o for _, o in pairs):.0f} tokens",
-        "daemon workers": args.workers, "max sequences per step": args.max_seqs,
+        "daemon workers": args.workers, "load generator processes": args.clients,
+        "max sequences per step": args.max_seqs, "model peer flags": " ".join(args.peer_arg),
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         f"bound at batch {args.max_seqs}, output tokens/s":
             round(bound_tokens_per_s(pairs, args.max_seqs, bandwidth)),
     }
     serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000")
+
+    def jobs(count: int) -> list[Job]:
+        chosen = [rng.choice(pairs) for _ in range(count)]
+        return [Job([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)], o)
+                for p, o in chosen]
+
     with running_stack("shm", timeout=900, peer_command="model-peer", peer_args=peer_args,
                        serve_args=serve_args) as stack:
-        pid = stack.peers[0].proc.pid
-        asyncio.run(run_rate(stack.base_url, pairs[:8], float("inf"), 8, rng))  # warm up
+        peer, daemon = stack.peers[0].proc.pid, stack.daemon.pid
+        run(stack.base_url, jobs(8), float("inf"), clients=1)  # warm up
         for rate in args.rates:
-            cpu0 = cpu_seconds(pid)
-            results, elapsed = asyncio.run(run_rate(stack.base_url, pairs, rate, args.requests, rng))
-            cpu = cpu_seconds(pid) - cpu0
-            tokens = sum(r.tokens for r in results)
-            ttft = [r.ttft * 1e3 for r in results]
-            tpot = [r.tpot * 1e3 for r in results if r.tpot is not None]
+            cpu0 = cpu_seconds(peer), cpu_seconds(daemon)
+            done = run(stack.base_url, jobs(args.requests), rate, clients=args.clients,
+                       seed=rng.randrange(1 << 30))
+            tokens = sum(r.tokens for r in done.results)
             name = "saturation" if rate == float("inf") else f"{rate:g} req/s"
-            figures[f"{name}: output tokens/s"] = round(tokens / elapsed)
-            figures[f"{name}: TTFT p50 / p99, ms"] = (f"{percentile(ttft, 0.5):.0f} / "
-                                                      f"{percentile(ttft, 0.99):.0f}")
-            figures[f"{name}: TPOT p50 / p99, ms"] = (f"{percentile(tpot, 0.5):.1f} / "
-                                                      f"{percentile(tpot, 0.99):.1f}")
-            figures[f"{name}: peer CPU s per 1,000 tokens"] = round(cpu / tokens * 1000, 3)
+            figures |= summary(done, name)
+            figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
+                (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)
+            figures[f"{name}: daemon CPU, cores busy of {args.workers}"] = round(
+                (cpu_seconds(daemon) - cpu0[1]) / done.elapsed, 2)
     record("model_serving", figures)
     return 0
 

@@ -1,0 +1,167 @@
+"""An open-loop load generator for the OpenAI streaming API, in several processes.
+
+One Python process parsing SSE tops out at some 15-20K events/s: at a GPU's
+output rates it would measure itself. So the arrival schedule (Poisson at a
+rate, or all at once) is drawn once, in the parent, and dealt round-robin to
+``clients`` processes, each an asyncio loop with its own connections; all
+start at one wall-clock instant, so arrivals keep the schedule's times.
+Each event costs a client a byte search, not a JSON parse: only an error
+event and the final usage event are parsed.
+
+Per request it records the arrival (offset in the schedule), TTFT, the
+time of the last token, the completion tokens (from ``usage``) and the
+events received; ``summary`` turns a run into the figures the benchmarks
+report. The clients' own CPU seconds are measured too: a load generator
+near a full core per process is itself the bound, and the report says so.
+
+    from benchmarks.loadgen import Job, run
+    results = run("http://127.0.0.1:8000", jobs, rate=64.0, clients=4)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import random
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tests.stack import MODEL
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request: a prompt (token ids or text) and how many tokens to ask for."""
+
+    prompt: list[int] | str
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    arrival: float  # seconds into the schedule
+    ttft: float  # seconds from sending to the first token
+    duration: float  # seconds from sending to the last token
+    tokens: int  # completion tokens (usage)
+    events: int  # SSE events with text
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        return (self.duration - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    results: list[Result]
+    elapsed: float  # first arrival to the last response's end
+    client_cpu_s: float  # the client processes' user + system seconds
+    clients: int
+
+
+def schedule(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival offsets: Poisson at ``rate`` per second, or all at 0 (``inf``)."""
+    at, out = 0.0, []
+    for _ in range(count):
+        out.append(at)
+        if rate != float("inf"):
+            at += rng.expovariate(rate)
+    return out
+
+
+def run(url: str, jobs: list[Job], rate: float, *, clients: int = 4,
+        seed: int = 1, extra: dict[str, Any] | None = None) -> Run:
+    """Send ``jobs`` at ``rate`` (per second; inf: all at once) from ``clients``
+    processes; every request streams with ``ignore_eos`` and greedy sampling."""
+    arrivals = schedule(len(jobs), rate, random.Random(seed))
+    start = time.time() + 0.5 + 0.05 * clients  # time for the processes to start
+    body = {"model": MODEL, "stream": True, "ignore_eos": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}} | (extra or {})
+    shares = [[(arrivals[i], jobs[i]) for i in range(k, len(jobs), clients)]
+              for k in range(clients)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(clients) as pool:
+        parts = pool.starmap(_client, [(url, share, start, body) for share in shares])
+    results = [r for part, _ in parts for r in part]
+    ends = [r.arrival + r.duration for r in results]
+    return Run(results, max(ends, default=0.0), sum(cpu for _, cpu in parts), clients)
+
+
+def _client(url: str, share: list[tuple[float, Job]], start: float,
+            body: dict[str, Any]) -> tuple[list[Result], float]:
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    results = asyncio.run(_client_loop(url, share, start, body))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return results, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+async def _client_loop(url: str, share: list[tuple[float, Job]], start: float,
+                       body: dict[str, Any]) -> list[Result]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.sleep(max(0.0, start - time.time()))
+        origin = time.perf_counter() - (time.time() - start)  # the schedule's 0
+        tasks = []
+        for arrival, job in share:
+            delay = origin + arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                _one(session, url, body | {"prompt": job.prompt, "max_tokens": job.max_tokens},
+                     arrival)))
+        return list(await asyncio.gather(*tasks))
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               arrival: float) -> Result:
+    sent = time.perf_counter()
+    first = last = None
+    tokens = events = 0
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            if not raw.startswith(b"data: {"):
+                continue
+            if b'"error"' in raw[:16]:
+                raise RuntimeError(f"the stream ended with an error: {raw.decode()}")
+            if b'"usage": {' in raw:
+                usage = json.loads(raw[6:])["usage"]
+                tokens = usage["completion_tokens"]
+                if b'"text": ""' in raw or b'"choices": []' in raw:
+                    continue
+            if b'"text": "' in raw and b'"text": ""' not in raw:
+                last = time.perf_counter()
+                first = first or last
+                events += 1
+    if first is None or last is None:
+        raise RuntimeError("a stream without a token")
+    return Result(arrival, first - sent, last - sent, tokens, events)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summary(done: Run, name: str) -> dict[str, object]:
+    """The figures of one run, keyed ``"{name}: ..."``."""
+    tokens = sum(r.tokens for r in done.results)
+    ttft = [r.ttft * 1e3 for r in done.results]
+    tpot = [t * 1e3 for r in done.results if (t := r.tpot) is not None]
+    return {
+        f"{name}: output tokens/s": round(tokens / done.elapsed) if done.elapsed else 0,
+        f"{name}: TTFT p50 / p99, ms": f"{percentile(ttft, 0.5):.0f} / {percentile(ttft, 0.99):.0f}",
+        f"{name}: TPOT p50 / p99, ms": f"{percentile(tpot, 0.5):.1f} / {percentile(tpot, 0.99):.1f}",
+        f"{name}: client CPU, cores busy of {done.clients}":
+            round(done.client_cpu_s / done.elapsed, 2) if done.elapsed else 0,
+        f"{name}: mean tokens per request": round(statistics.mean(
+            r.tokens for r in done.results), 1) if done.results else 0,
+    }

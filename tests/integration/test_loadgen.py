@@ -1,0 +1,34 @@
+"""The load generator (benchmarks.loadgen) against the shared stack, for a few seconds:
+a smoke test that keeps the benchmark tool working. It asserts what it delivered,
+never how fast."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.loadgen import Job, run, schedule, summary
+from tests.stack import Stack
+
+
+def test_the_schedule_is_poisson_or_all_at_once() -> None:
+    assert schedule(5, float("inf"), random.Random(1)) == [0.0] * 5
+    times = schedule(2000, 100.0, random.Random(1))
+    assert times == sorted(times) and 15 < times[-1] < 25  # 2,000 arrivals at 100/s
+
+
+@pytest.mark.parametrize("rate", [float("inf"), 200.0])
+def test_every_request_streams_to_its_end(stack: Stack, rate: float) -> None:
+    rng = random.Random(3)
+    jobs = [Job([rng.randrange(100, 5000) for _ in range(rng.randrange(1, 30))],
+                rng.randrange(1, 24)) for _ in range(40)]
+    jobs.append(Job("Tell me about the ring.", 12))
+    done = run(stack.base_url, jobs, rate, clients=2)
+    assert len(done.results) == len(jobs) and done.clients == 2
+    assert sorted(r.tokens for r in done.results) == sorted(j.max_tokens for j in jobs)
+    assert all(r.events >= 1 and 0 < r.ttft <= r.duration for r in done.results)
+    assert done.elapsed > 0 and done.client_cpu_s > 0
+    figures = summary(done, "smoke")
+    assert figures["smoke: mean tokens per request"] == round(
+        sum(j.max_tokens for j in jobs) / len(jobs), 1)
