@@ -1,7 +1,7 @@
 """An open-loop load generator for the OpenAI streaming API, in several processes.
 
-One Python process parsing SSE tops out at some 15-20K events/s: at a GPU's
-output rates it would measure itself. So the arrival schedule (Poisson at a
+One Python process parsing every SSE event can be the bound itself at a
+GPU's output rates (tens of thousands of events a second). So the arrival schedule (Poisson at a
 rate, or all at once) is drawn once, in the parent, and dealt round-robin to
 ``clients`` processes, each an asyncio loop with its own connections; all
 start at one wall-clock instant, so arrivals keep the schedule's times.
