@@ -13,6 +13,18 @@ from typing import Any
 RESULTS = Path(os.environ.get("DPU_FRONTEND_BENCH_OUT", "build/benchmarks.jsonl"))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system seconds of a process and, recursively, its live children (a
+    daemon's workers), from /proc; 0 for a process that is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return 0.0
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
+
+
 def best_of(fn: Callable[[], None], *, repeat: int = 5) -> float:
     """The fastest of ``repeat`` runs, in seconds: the least disturbed by the machine."""
     best = float("inf")

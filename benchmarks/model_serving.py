@@ -22,31 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import record
+from benchmarks.common import cpu_seconds, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
 from tests.stack import running_stack
 
 VOCAB_LOW, VOCAB_HIGH = 100, 150_000
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system seconds of a process and, recursively, its live children."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return 0.0
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 def bound_tokens_per_s(pairs: list[tuple[int, int]], batch: int, bandwidth: float) -> float:

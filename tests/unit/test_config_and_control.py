@@ -27,7 +27,8 @@ def test_peer_address_parse() -> None:
     ({"port": -1}, "port"),
     ({"model_name": ""}, "model_name"),
     ({"max_model_len": 0}, "max_model_len"),
-    ({"poll_interval_s": 0}, "poll intervals"),
+    ({"poll_interval_s": 0}, "poll_interval_s"), ({"poll_interval_s": 0.0005}, "milliseconds"),
+    ({"idle_poll_interval_s": 0}, "idle_poll_interval_s"),
     ({"workers": 2, "channel": 0}, "each worker needs a channel of its own"),
 ])
 def test_serve_config_names_the_bad_field(kwargs: dict[str, Any], message: str) -> None:

@@ -201,7 +201,7 @@ def test_defaults_are_written_once() -> None:
     defaults |= {DEFAULT_PEER.host, DEFAULT_PEER.port}
     # Small integers are everywhere (exit codes, indices): too common to tell.
     defaults = {d for d in defaults if not isinstance(d, int) or abs(d) > 2}
-    assert {8000, 18515, 0.0005, "INFO", "127.0.0.1"} <= defaults
+    assert {8000, 18515, 0.001, 0.05, "INFO", "127.0.0.1"} <= defaults
     for module in (dpu_frontend.cli, dpu_frontend.settings):
         source = Path(module.__file__ or "").read_text()
         for default in defaults:
