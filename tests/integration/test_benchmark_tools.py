@@ -1,13 +1,16 @@
-"""The load generator (benchmarks.loadgen) against the shared stack, for a few seconds:
-a smoke test that keeps the benchmark tool working. It asserts what it delivered,
-never how fast."""
+"""The benchmark tools for a few seconds each, so that they keep working: the load
+generator (benchmarks.loadgen) against the shared stack, and benchmarks.idle_cost
+on its own. They assert what was delivered and recorded, never how fast."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
+from benchmarks import common, idle_cost
 from benchmarks.loadgen import Job, run, schedule, summary
 from tests.stack import Stack
 
@@ -32,3 +35,12 @@ def test_every_request_streams_to_its_end(stack: Stack, rate: float) -> None:
     figures = summary(done, "smoke")
     assert figures["smoke: mean tokens per request"] == round(
         sum(j.max_tokens for j in jobs) / len(jobs), 1)
+
+
+def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks.idle_cost for a moment: it starts its stack, opens its streams,
+    measures and records (the figures themselves are not asserted)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
+    assert idle_cost.main(["--streams", "20", "--seconds", "0.3"]) == 0
+    entry = json.loads((tmp_path / "results.jsonl").read_text())
+    assert entry["benchmark"] == "idle_cost" and entry["streams open"] == 20
