@@ -115,9 +115,9 @@ class Service:
                                param=param)
 
     async def warm_up(self) -> None:
-        """Give every tokenizer thread its tokenizer now, and build the token-bytes table
-        of log probabilities: each takes a few hundred milliseconds, which would
-        otherwise land on the first requests (and stall the loop)."""
+        """Give every tokenizer thread its tokenizer now (loading one takes a few hundred
+        milliseconds, which would otherwise land on the first requests), and build the
+        token-bytes table of log probabilities."""
         threads = self.config.tokenizer_threads
         barrier = threading.Barrier(threads)
 
@@ -128,8 +128,8 @@ class Service:
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(self._executor, load)
                                for _ in range(threads)))
-        if self._token_bytes is None:  # parsing the vocabulary takes a moment: not on the loop
-            self._token_bytes = await self.off_loop(TokenBytes, self.vocab.tokenizer)
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.vocab.tokenizer)
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()

@@ -41,7 +41,10 @@ def byte_level_alphabet() -> dict[str, int]:
 class TokenBytes:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        decoders = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
+        # The decoder's own JSON (its pickled state), not the whole vocabulary's: that
+        # parse would cost a few hundred milliseconds and tens of megabytes of heap.
+        decoder = tokenizer.decoder
+        decoders = _decoder_types(json.loads(decoder.__getstate__()) if decoder else None)
         self._byte_level = byte_level_alphabet() if "ByteLevel" in decoders else None
         self._pieces = "Metaspace" in decoders or "ByteFallback" in decoders
         self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
