@@ -128,8 +128,7 @@ class Service:
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(self._executor, load)
                                for _ in range(threads)))
-        if self._token_bytes is None:
-            self._token_bytes = TokenBytes(self.vocab.tokenizer)
+        _ = self.token_bytes  # built now rather than on the first request
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()

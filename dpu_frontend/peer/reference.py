@@ -27,7 +27,6 @@ from dpu_frontend.peer.generator import GeneratorStats, TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.ring import (
     CancelRecord,
-    ChannelLayout,
     GenerateRecord,
     GpuChannel,
     Layout,
@@ -74,11 +73,6 @@ class RecordSpace:
 
 #: A channel's source, from the channel's index and what its records hold.
 SourceFactory = Callable[[int, RecordSpace], SequenceSource]
-
-
-def _offered(record: GenerateRecord, layout: ChannelLayout) -> bool:
-    asked = record.params.logprobs
-    return asked is None or (layout.logprobs and asked <= layout.max_top_logprobs)
 
 
 @dataclass(slots=True)
@@ -220,7 +214,7 @@ class ReferenceKernel(PeerKernel):
                     outbox.append(final)
             elif (generator.has(record.request_id)
                   or generator.active >= ring.layout.max_sequences
-                  or not _offered(record, ring.layout)):
+                  or not ring.layout.offers_logprobs(record.params.logprobs)):
                 # A duplicate id, a DPU that broke its sequence window, or one asking for
                 # log probabilities this channel does not offer.
                 ring.refuse()

@@ -117,13 +117,12 @@ class DpuChannel:
     def submit(self, request_id: int, prompt: Sequence[int], params: SamplingParams) -> None:
         """Queue a generate request; ``take_writes`` sends it when credits allow."""
         limit = self.layout.max_prompt_tokens
-        asked = params.logprobs
-        if asked is not None and not self.layout.logprobs:
-            raise RequestError("the GPU peer does not compute log probabilities",
-                               param="logprobs", code="unsupported_parameter")
-        if asked is not None and asked > self.layout.max_top_logprobs:
+        if not self.layout.offers_logprobs(params.logprobs):
+            if not self.layout.logprobs:
+                raise RequestError("the GPU peer does not compute log probabilities",
+                                   param="logprobs", code="unsupported_parameter")
             raise RequestError(f"the GPU peer gives at most {self.layout.max_top_logprobs} "
-                               f"alternatives per token, {asked} were asked for",
+                               f"alternatives per token, {params.logprobs} were asked for",
                                param="logprobs")
         if len(prompt) > limit:
             raise PromptTooLong(

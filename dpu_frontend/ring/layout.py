@@ -105,6 +105,11 @@ class ChannelLayout:
         """Whether the GPU side computes log probabilities (a request may ask for them)."""
         return bool(self.features & FEATURE_LOGPROBS)
 
+    def offers_logprobs(self, asked: int | None) -> bool:
+        """Whether a request asking for ``asked`` alternatives (None: no log
+        probabilities) can be served on this channel."""
+        return asked is None or (self.logprobs and asked <= self.max_top_logprobs)
+
     @property
     def logprob_tokens_per_response(self) -> int:
         """Tokens one record carries with their log probabilities."""
