@@ -26,6 +26,8 @@ parameters (top-k, top-p, penalties present or not).
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import torch
 
@@ -44,14 +46,14 @@ class StepGraph:
 
     def __init__(self, tokens: int, seqs: int, tiles: int, samples: int | None,
                  max_blocks: int, device: torch.device) -> None:
-        fields = (("slots", np.int64, (tokens,)), ("positions", np.int64, (tokens,)),
-                  ("cache_slots", np.int64, (tokens,)),
-                  ("sample_rows", np.int64, (samples or 0,)),
-                  ("tables", np.int32, (seqs, max_blocks)), ("tile_seq", np.int32, (tiles,)),
-                  ("tile_row", np.int32, (tiles,)), ("q_start", np.int32, (seqs,)),
-                  ("q_len", np.int32, (seqs,)), ("ctx_start", np.int32, (seqs,)))
+        buffers = (("slots", np.int64, (tokens,)), ("positions", np.int64, (tokens,)),
+                   ("cache_slots", np.int64, (tokens,)),
+                   ("sample_rows", np.int64, (samples or 0,)),
+                   ("tables", np.int32, (seqs, max_blocks)), ("tile_seq", np.int32, (tiles,)),
+                   ("tile_row", np.int32, (tiles,)), ("q_start", np.int32, (seqs,)),
+                   ("q_len", np.int32, (seqs,)), ("ctx_start", np.int32, (seqs,)))
         spans, total = [], 0
-        for name, dtype, shape in fields:
+        for name, dtype, shape in buffers:
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             spans.append((name, dtype, shape, total, nbytes))
             total += -(-nbytes // 8) * 8  # every field 8-byte aligned
@@ -70,10 +72,7 @@ class StepGraph:
             self.views[name] = (self.inputs[offset:offset + nbytes]
                                 .view(torch.int64 if dtype == np.int64 else torch.int32)
                                 .view(shape))
-        v = self.views
-        self.attn = Attention(positions=v["positions"], cache_slots=v["cache_slots"],
-                              tables=v["tables"], tile_seq=v["tile_seq"], tile_row=v["tile_row"],
-                              q_start=v["q_start"], q_len=v["q_len"], ctx_start=v["ctx_start"])
+        self.attn = Attention(**{f.name: self.views[f.name] for f in fields(Attention)})
         self.graph = torch.cuda.CUDAGraph()
         self.logits = torch.empty(0)
 
@@ -145,11 +144,14 @@ class StepGraphs:
             graph = StepGraph(size, size, size, None, self.max_blocks, device)
             graph.capture(self.model, self.tokens, pool)
             self.decode[size] = graph
+        # Smallest first: ``graph_for`` takes the first that fits.
+        self.decode = dict(sorted(self.decode.items()))
+        self.mixed = dict(sorted(self.mixed.items()))
 
     def graph_for(self, step: StepInputs) -> StepGraph | None:
         """The smallest graph that holds ``step``; None: it runs eagerly."""
         family = self.decode if step.decode else self.mixed
-        return next((g for _, g in sorted(family.items()) if g.fits(step)), None)
+        return next((g for g in family.values() if g.fits(step)), None)
 
     def run(self, graph: StepGraph, step: StepInputs) -> torch.Tensor:
         """Logits [samples, vocab] (a view of the graph's static output, valid until

@@ -16,7 +16,9 @@ from dpu_frontend.model.scheduler import Batch
 
 @dataclass(slots=True)
 class StepInputs:
-    """One step's metadata on the host: what the forward and the logits need."""
+    """One step's metadata on the host: what the forward and the logits need. Its
+    fields named as ``qwen3.Attention``'s are those tensors' host arrays (the runner
+    and the graphs build an ``Attention`` from them by name)."""
 
     slots: np.ndarray  # [T] int64: each token's row in the token buffer
     positions: np.ndarray  # [T] int64

@@ -11,6 +11,7 @@ slots, block tables.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -135,10 +136,6 @@ class ModelRunner:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device)
 
-        positions = dev(step.positions)
-        attn = Attention(positions=positions, cache_slots=dev(step.cache_slots),
-                         tables=dev(step.tables), tile_seq=dev(step.tile_seq),
-                         tile_row=dev(step.tile_row), q_start=dev(step.q_start),
-                         q_len=dev(step.q_len), ctx_start=dev(step.ctx_start))
-        return attn, self.tokens[dev(step.slots), positions], dev(step.sample_rows)
+        attn = Attention(**{f.name: dev(getattr(step, f.name)) for f in fields(Attention)})
+        return attn, self.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)
 
