@@ -74,6 +74,11 @@ class FinishReason(enum.IntEnum):
     ERROR = 4  # the GPU side could not serve it
 
 
+#: Every finish reason by its value (0, 1, 2, ...: the enum's values are its indices).
+_FINISHES = tuple(FinishReason)
+assert all(reason == i for i, reason in enumerate(_FINISHES))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What the GPU side needs to sample a sequence. Validated by the HTTP layer."""
@@ -257,10 +262,9 @@ def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
             f"response record {seq} belongs to epoch {record_epoch}, the channel is in "
             f"epoch {epoch}: a store from an earlier attachment"
         )
-    try:
-        reason = FinishReason(finish)
-    except ValueError as exc:
-        raise ProtocolError(f"response record {seq}: unknown finish reason {finish}") from exc
+    if finish >= len(_FINISHES):
+        raise ProtocolError(f"response record {seq}: unknown finish reason {finish}")
+    reason = _FINISHES[finish]  # an index, not FinishReason(finish): this runs per record
     if flags:
         return _decode_logprobs(slot, offset, seq, request_id, n, reason, flags, n_top,
                                 slot_size)
