@@ -122,7 +122,7 @@ async def _client_loop(url: str, share: list[tuple[float, Job]], start: float,
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                arrival: float) -> Result:
     sent = time.perf_counter()
-    first = last = None
+    first = last = ended = None
     tokens = events = 0
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
@@ -132,17 +132,22 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 continue
             if b'"error"' in raw[:16]:
                 raise RuntimeError(f"the stream ended with an error: {raw.decode()}")
+            ended = time.perf_counter()
             if b'"usage": {' in raw:
                 usage = json.loads(raw[6:])["usage"]
                 tokens = usage["completion_tokens"]
                 if b'"text": ""' in raw or b'"choices": []' in raw:
                     continue
             if b'"text": "' in raw and b'"text": ""' not in raw:
-                last = time.perf_counter()
+                last = ended
                 first = first or last
                 events += 1
+    if not tokens or ended is None:
+        raise RuntimeError(f"a stream without a token (HTTP {resp.status})")
     if first is None or last is None:
-        raise RuntimeError("a stream without a token")
+        # Tokens without text (random weights draw special tokens, or a lone piece
+        # of a UTF-8 character): the client saw them when the stream ended.
+        first = last = ended
     return Result(arrival, first - sent, last - sent, tokens, events)
 
 

@@ -21,9 +21,15 @@ reported beside the daemon's, so that neither passes for the model's limit.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import random
+import shutil
+import signal
 import statistics
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +37,8 @@ import torch
 from benchmarks.common import cpu_seconds, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_step import copy_bandwidth
+from dpu_frontend.config import PeerAddress
+from dpu_frontend.control.stats import peer_report
 from dpu_frontend.model.config import ModelConfig
 from tests.stack import running_stack
 
@@ -48,6 +56,49 @@ def bound_tokens_per_s(pairs: list[tuple[int, int]], batch: int, bandwidth: floa
     return batch / (step_bytes / bandwidth)
 
 
+def engine_counters(address: PeerAddress) -> dict[str, float]:
+    kernel: dict[str, float] = asyncio.run(peer_report(address))["kernel"]
+    return kernel
+
+
+def engine_figures(name: str, before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
+    """Where the peer's time went during a run, per engine step: the engine's host work
+    (launch: schedule, inputs, graph replay; judge: stop rules), its wait for the GPU's
+    tokens, and the loop between two steps (the records in and out)."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["steps"] or 1
+    per = {k: round(d[k] / steps * 1e3, 2)
+           for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s")}
+    return {
+        f"{name}: engine steps, mean sampled / scheduled tokens": f"{d['steps']:.0f}, "
+        f"{d['tokens'] / steps:.0f} / {d['scheduled_tokens'] / steps:.0f}",
+        f"{name}: per step, ms: engine (launch + wait for tokens + judge) / loop between steps":
+            f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + {per['judge_s']}) / "
+            f"{per['loop_s']}",
+    }
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, out: Path | None) -> Iterator[None]:
+    """With ``out``: ``py-spy`` samples the process's every thread (idle ones too, so a
+    wait on the GPU shows) while the block runs, into ``out`` as folded stacks."""
+    if out is None:
+        yield
+        return
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--py-spy: no py-spy on PATH (pip install py-spy)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
+                             "--idle", "--nonblocking", "--rate", "200", "--output", str(out)],
+                            stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        proc.wait(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=Path, default=Path("build/sharegpt-lengths.json"))
@@ -59,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20261126)
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--overlap")
+    ap.add_argument("--py-spy", type=Path, metavar="DIR",
+                    help="sample the model peer with py-spy at each rate, into DIR")
     args = ap.parse_args(argv)
 
     pairs = [tuple(p) for p in json.loads(args.lengths.read_text())["pairs"]]
@@ -90,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         run(stack.base_url, jobs(8), float("inf"), clients=1)  # warm up
         for rate in args.rates:
             cpu0 = cpu_seconds(peer), cpu_seconds(daemon)
-            done = run(stack.base_url, jobs(args.requests), rate, clients=args.clients,
-                       seed=rng.randrange(1 << 30))
-            tokens = sum(r.tokens for r in done.results)
+            engine0 = engine_counters(stack.peer_address())
             name = "saturation" if rate == float("inf") else f"{rate:g} req/s"
+            spy = args.py_spy / f"peer-{name.split()[0]}.txt" if args.py_spy else None
+            with py_spy(peer, spy):
+                done = run(stack.base_url, jobs(args.requests), rate, clients=args.clients,
+                           seed=rng.randrange(1 << 30))
+            tokens = sum(r.tokens for r in done.results)
             figures |= summary(done, name)
+            figures |= engine_figures(name, engine0, engine_counters(stack.peer_address()))
             figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
                 (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)
             figures[f"{name}: daemon CPU, cores busy of {args.workers}"] = round(

@@ -268,8 +268,8 @@ def _runner(args: argparse.Namespace, argv: Sequence[str] | None) -> Callable[[]
 
 
 def _print_stats(address: PeerAddress) -> int:
-    from dpu_frontend.control.stats import peer_stats
-    print(json.dumps(asyncio.run(peer_stats(address)), indent=2))
+    from dpu_frontend.control.stats import peer_report
+    print(json.dumps(asyncio.run(peer_report(address)), indent=2))
     return 0
 
 

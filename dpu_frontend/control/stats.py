@@ -14,6 +14,13 @@ TIMEOUT_S = 10.0
 
 async def peer_stats(address: PeerAddress) -> list[dict[str, Any]]:
     """Each channel's counters: attached, active request ids, admitted, completed, cancelled..."""
+    channels: list[dict[str, Any]] = (await peer_report(address))["channels"]
+    return channels
+
+
+async def peer_report(address: PeerAddress) -> dict[str, Any]:
+    """The whole answer: ``channels`` (``peer_stats``) and ``kernel``, the counters of the
+    kernel as a whole (a model peer's engine: steps, tokens, where the time goes)."""
     try:
         async with asyncio.timeout(TIMEOUT_S):
             reader, writer = await asyncio.open_connection(address.host, address.port)
@@ -25,7 +32,7 @@ async def peer_stats(address: PeerAddress) -> list[dict[str, Any]]:
                 await writer.wait_closed()
     except (OSError, TimeoutError) as exc:
         raise PeerError(f"cannot get stats from GPU peer {address}: {exc}") from exc
-    channels = answer.get("channels")
-    if answer.get("op") != "stats" or not isinstance(channels, list):
+    channels, kernel = answer.get("channels"), answer.get("kernel", {})
+    if answer.get("op") != "stats" or not isinstance(channels, list) or not isinstance(kernel, dict):
         raise PeerError(f"GPU peer {address} answered {answer.get('op')!r} to stats")
-    return channels
+    return {"channels": channels, "kernel": kernel}

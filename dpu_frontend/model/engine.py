@@ -11,12 +11,13 @@ end it with ``length``).
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.config import ModelConfig
-from dpu_frontend.model.events import TokenEvent
+from dpu_frontend.model.events import EngineStats, TokenEvent
 from dpu_frontend.model.options import EngineOptions
 from dpu_frontend.model.scheduler import Scheduler, Sequence
 from dpu_frontend.ring.records import FinishReason, SamplingParams
@@ -59,6 +60,7 @@ class ModelEngine:
         self._prompts: dict[int, list[int]] = {}
         self._seqs: dict[int, Sequence] = {}
         self._inflight: _Launched | None = None
+        self.stats = EngineStats()
 
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
         if seq_id in self._seqs:
@@ -104,6 +106,13 @@ class ModelEngine:
         return self._land(previous) if previous is not None else []
 
     def _launch(self) -> _Launched | None:
+        began = time.perf_counter()
+        try:
+            return self._schedule_and_run()
+        finally:
+            self.stats.launch_s += time.perf_counter() - began
+
+    def _schedule_and_run(self) -> _Launched | None:
         batch = self.scheduler.schedule()
         for seq in batch.admitted:
             self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
@@ -111,6 +120,9 @@ class ModelEngine:
         wanted = [self._top_logprobs(seq) for seq in sampled]
         drawn = self.runner.step(batch, max(wanted, default=-1))
         self.scheduler.commit(batch)
+        if batch.works:
+            self.stats.steps += 1
+            self.stats.scheduled_tokens += batch.tokens
         if drawn is None:
             return None
         totals = [seq.total for seq in sampled]  # with this step's token
@@ -124,10 +136,14 @@ class ModelEngine:
     def _land(self, launched: _Launched) -> list[TokenEvent]:
         """Wait for a launched batch's tokens; judge each against its stop rules."""
         drawn = launched.drawn
+        began = time.perf_counter()
         tokens = drawn.tokens.tolist()
         chosen = drawn.logprob.tolist() if drawn.logprob is not None else None
         top_ids = drawn.top_ids.tolist() if drawn.top_ids is not None else None
         top_lps = drawn.top_logprobs.tolist() if drawn.top_logprobs is not None else None
+        arrived = time.perf_counter()
+        self.stats.wait_s += arrived - began
+        self.stats.tokens += len(tokens)
         events = []
         for i, seq in enumerate(launched.sampled):
             if self._seqs.get(seq.seq_id) is not seq:
@@ -145,6 +161,7 @@ class ModelEngine:
             if finish is not FinishReason.NONE:
                 self._seqs.pop(seq.seq_id, None)
                 self.scheduler.finish(seq)
+        self.stats.judge_s += time.perf_counter() - arrived
         return events
 
     def _top_logprobs(self, seq: Sequence) -> int:

@@ -3,8 +3,8 @@ model peer's sources and their CI tests use it without a GPU)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 from dpu_frontend.ring.records import FinishReason, SamplingParams
 
@@ -20,11 +20,29 @@ class TokenEvent:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(slots=True)
+class EngineStats:
+    """Where an engine's time goes, cumulative (an operator diffs two readings): the
+    host's share of each step against its wait for the GPU's tokens."""
+
+    steps: int = 0  # steps that ran a batch
+    tokens: int = 0  # tokens drawn (sampling works)
+    scheduled_tokens: int = 0  # prompt and decode tokens through the model
+    launch_s: float = 0.0  # host: schedule, the step's inputs, the launches
+    wait_s: float = 0.0  # host waiting for a step's tokens to reach it
+    judge_s: float = 0.0  # host: the stop rules, the events
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class StepEngine(Protocol):
     """What the model peer needs of an engine (``ModelEngine``)."""
 
     @property
     def idle(self) -> bool: ...
+    @property
+    def stats(self) -> EngineStats: ...
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None: ...
     def cancel(self, seq_id: int) -> None: ...
     def step(self) -> list[TokenEvent]: ...

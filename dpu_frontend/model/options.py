@@ -54,8 +54,7 @@ class EngineOptions:
     #: for the requests that ask).
     top_logprobs: int = -1
     #: Build and launch the next step while the GPU runs this one (ModelEngine.step).
-    #: Off by default until the whole GPU suite has run with it (docs/gpu.md).
-    overlap: bool = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -97,8 +96,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per engine step: decodes plus prefill chunks (default %(default)s)")
     add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
         help="run every step eagerly")
-    add("--overlap", action="store_true",
-        help="launch the next step while the GPU runs this one (see docs/gpu.md)")
+    add("--overlap", action=argparse.BooleanOptionalAction, default=e.overlap,
+        help="launch the next step while the GPU runs this one (default: %(default)s; "
+             "see docs/gpu.md)")
 
 
 def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:

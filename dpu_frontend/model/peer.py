@@ -52,7 +52,8 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     def source(channel: int, space: RecordSpace) -> SequenceSource:
         return ModelSource(hub, space)
 
-    kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step)
+    kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step,
+                             stats=hub.stats)
     model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
                              "peer": f"dpu-frontend-model-peer {__version__}"}
     log.info("model peer: %d layers, hidden %d, %s, weights %s", config.num_layers,

@@ -86,7 +86,7 @@ class ModelRunner:
 
     def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         """A newly admitted sequence's prompt into its slot (and the penalties' state)."""
-        ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+        ids = _to_device(torch.tensor(prompt, dtype=torch.int64), self.device)
         self.tokens[seq.slot, :len(prompt)] = ids
         self.counts[seq.slot].zero_()
         self.in_prompt[seq.slot].zero_()
@@ -118,8 +118,8 @@ class ModelRunner:
             logits[:, limit:] = float("-inf")
         params = batch_params([(s.params, s.seed, s.generated) for s in samplers],
                               self.config.vocab_size, self.device)
-        where = torch.tensor([[s.slot for s in samplers], [s.total for s in samplers]],
-                             dtype=torch.int64).to(self.device)
+        where = _to_device(torch.tensor([[s.slot for s in samplers], [s.total for s in samplers]],
+                                        dtype=torch.int64), self.device)
         slots = where[0]
         penalized = self.sampler.penalize(logits, params, slots, self.counts, self.in_prompt)
         tokens = self.sampler.draw(penalized, params)
@@ -139,3 +139,10 @@ class ModelRunner:
         attn = Attention(**{f.name: dev(getattr(step, f.name)) for f in fields(Attention)})
         return attn, self.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)
 
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor to the device without waiting for the GPU: a copy from pageable
+    memory blocks the host until the stream's earlier work (the step's graph) is done,
+    so the host could not build the next step meanwhile. Pinned, the copy is queued
+    (the pinned allocator keeps the buffer until the copy has run)."""
+    return host.pin_memory().to(device, non_blocking=True)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from dpu_frontend.model.events import StepEngine, TokenEvent
 from dpu_frontend.peer.generator import ActiveSequences, GeneratorStats
@@ -40,6 +42,11 @@ class EngineHub:
         self.engine = engine
         self._owner: dict[int, tuple[ModelSource, int]] = {}
         self._next_id = 0
+        #: Wall time inside the engine's steps, and between two steps of a busy engine
+        #: (the loop's share: the records in and out, the hand-offs to the thread).
+        self.engine_s = 0.0
+        self.loop_s = 0.0
+        self._ended: float | None = None  # when the last step of a busy run ended
 
     def add(self, source: ModelSource, request_id: int, prompt: tuple[int, ...],
             record: GenerateRecord) -> int:
@@ -53,13 +60,24 @@ class EngineHub:
         if self._owner.pop(seq_id, None) is not None:
             self.engine.cancel(seq_id)
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
         """One engine step off the event loop (the control plane stays responsive);
-        the peer's loop does not touch the engine while it runs."""
+        the peer's loop does not touch the engine while it runs. False: idle, no step."""
         if self.engine.idle:
-            return
+            self._ended = None
+            return False
+        began = time.perf_counter()
+        if self._ended is not None:
+            self.loop_s += began - self._ended
         events = await asyncio.to_thread(self.engine.step)
+        self._ended = time.perf_counter()
+        self.engine_s += self._ended - began
         self.deliver(events)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters and the loop's (``peer-stats``, the benchmarks)."""
+        return self.engine.stats.as_dict() | {"engine_s": self.engine_s, "loop_s": self.loop_s}
 
     def deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:

@@ -62,6 +62,10 @@ class PeerKernel(abc.ABC):
         """Why the kernel stopped serving, or None while it runs. Each control session
         polls it every few milliseconds (``server.KERNEL_WATCH_S``): it must be cheap."""
 
+    def kernel_stats(self) -> dict[str, Any]:
+        """Counters of the kernel as a whole (the model engine's); none by default."""
+        return {}
+
     @abc.abstractmethod
     def channel_stats(self, channel: int) -> dict[str, Any]:
         """Counters beyond the mailbox's (the reference generator's request ids, ...)."""

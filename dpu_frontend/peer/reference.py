@@ -88,16 +88,21 @@ class _Channel:
 class ReferenceKernel(PeerKernel):
     """``sources`` makes each channel's sequence source (default: token generators
     over ``corpus``); ``between_steps`` runs once per tick before the channels are
-    stepped (the model engine's batch step)."""
+    stepped (the model engine's batch step), and says whether it did work: the
+    next tick then follows at once instead of after ``tick_s`` (a busy engine's
+    steps run back to back; an idle one is polled every tick). ``stats``: the
+    counters of what runs between the steps (``kernel_stats``)."""
 
     def __init__(self, config: PeerConfig, corpus: list[list[int]],
                  eos_token_ids: tuple[int, ...], *, sources: SourceFactory | None = None,
-                 between_steps: Callable[[], Awaitable[None]] | None = None) -> None:
+                 between_steps: Callable[[], Awaitable[bool]] | None = None,
+                 stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
         self._sources = sources or self._generator
         self._between_steps = between_steps
+        self._stats = stats
         self._map: mmap.mmap | None = None
         self._region: AtomicMemory | None = None
         self._mailbox: AtomicMemory | None = None
@@ -164,13 +169,13 @@ class ReferenceKernel(PeerKernel):
                     self._obey(channel)
                     if channel.attached:
                         self._intake(channel, now)
-                if self._between_steps is not None:
-                    await self._between_steps()
+                busy = self._between_steps is not None and await self._between_steps()
                 for channel in self._channels:
                     if channel.attached:
                         self._publish(channel, now)
                     channel.mailbox.publish_counters(self._counters(channel))
-                await asyncio.sleep(tick)
+                # Busy: yield to the control plane and the heartbeat, then step again.
+                await asyncio.sleep(0 if busy else tick)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the kernel died: the control plane refuses from now on
@@ -235,6 +240,9 @@ class ReferenceKernel(PeerKernel):
                 "completed": stats.completed, "cancelled": stats.cancelled,
                 "bad_records": ring.bad_records, "tokens": stats.tokens,
                 "published": ring.published, "ring_full_waits": ring.ring_full_waits}
+
+    def kernel_stats(self) -> dict[str, Any]:
+        return self._stats() if self._stats is not None else {}
 
     def channel_stats(self, channel: int) -> dict[str, Any]:
         c = self._channels[channel]

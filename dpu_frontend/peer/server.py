@@ -131,7 +131,8 @@ class PeerServer:
                 return
             first = await messages.receive(reader)
             if first.get("op") == "stats":
-                await messages.send(writer, {"op": "stats", "channels": self.stats()})
+                await messages.send(writer, {"op": "stats", "channels": self.stats(),
+                                             "kernel": self.kernel.kernel_stats()})
                 return
             hello = messages.Hello.from_dict(first)
             if not await self._authenticate(hello, reader, writer):

@@ -93,7 +93,9 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
     with running_stack("shm", timeout=TIMEOUT, peer_command="gpu-peer",
                        peer_args=GPU_ARGS) as stack:
         first = await channel(stack)
-        await check_peer_killed_mid_stream(stack)
+        # The kernel is not paced: a whole context's worth of tokens (the bundled
+        # tokenizer's 131,072) keeps both requests open past the kill.
+        await check_peer_killed_mid_stream(stack, max_tokens=130_000)
         stack.peers[0].restart()
         async with aiohttp.ClientSession() as session:
             for _ in range(600):

@@ -282,27 +282,36 @@ def test_blocks_reused_after_cancel_and_full_cache_waits() -> None:
           f"{preempted} preemptions, every sequence equal to its run alone")
 
 
-def test_graphs_equal_the_eager_path() -> None:
+def test_graphs_and_overlapped_steps_equal_the_eager_path() -> None:
     """Decode graphs and mixed graphs (prefill chunks beside decodes: a 256-token
-    budget makes the 12 prompts' prefills interleave with the first ones' decodes)."""
+    budget makes the 12 prompts' prefills interleave with the first ones' decodes),
+    with the engine's steps overlapped and not, against eager serial steps."""
     ps = prompts(12, SEED + 7)
     params = [replace(MIXED[i % 3], seed=i) for i in range(len(ps))]
-    results, steps = [], []
+    results: dict[tuple[bool, bool], list[tuple[list[int], list[float]]]] = {}
+    steps: dict[tuple[bool, bool], dict[str, int]] = {}
     for graphs in (True, False):
         runner = ModelRunner(ModelConfig.default(), RunnerOptions(
             weight_seed=SEED, num_blocks=512, max_seqs=16, cuda_graphs=graphs))
         runner.load()
-        eng = ModelEngine(runner.config, runner, EngineOptions(top_logprobs=2,
-                                                                max_batched_tokens=256))
-        results.append([(c.tokens, c.logprobs) for c in eng.generate(ps, params)])
-        steps.append(dict(runner.steps))
-        del eng, runner
+        for overlap in ((True, False) if graphs else (False,)):
+            eng = ModelEngine(runner.config, runner, EngineOptions(
+                top_logprobs=2, max_batched_tokens=256, overlap=overlap))
+            out = eng.generate(ps, params)
+            assert eng.idle and eng.scheduler.pool.free == eng.scheduler.pool.num_blocks
+            results[graphs, overlap] = [(c.tokens, c.logprobs) for c in out]
+            steps[graphs, overlap] = dict(runner.steps)
+            del eng
+        del runner
         torch.cuda.empty_cache()
-    assert results[0] == results[1]
-    assert steps[0]["mixed graph"] > 0 and steps[0]["decode graph"] > 0
-    assert steps[0]["eager"] == 0 and steps[1]["eager"] == sum(steps[1].values())
-    print(f"12 sequences, steps as CUDA graphs ({steps[0]}) and eager: same tokens, "
-          "same log probabilities bit for bit")
+    eager = results[False, False]
+    assert results[True, False] == eager and results[True, True] == eager
+    graphed = steps[True, False]  # the runner's counts after its first engine
+    assert graphed["mixed graph"] > 0 and graphed["decode graph"] > 0 and graphed["eager"] == 0
+    assert steps[True, True]["eager"] == 0
+    assert steps[False, False]["eager"] == sum(steps[False, False].values())
+    print(f"12 sequences, steps as CUDA graphs ({graphed}), overlapped or not, and eager: "
+          "same tokens, same log probabilities bit for bit")
 
 
 def test_padding_ids_are_never_drawn() -> None:

@@ -81,10 +81,12 @@ async def check_stream_equals_full_and_decode(stack: Stack) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
 
 
-async def check_peer_killed_mid_stream(stack: Stack) -> None:
+async def check_peer_killed_mid_stream(stack: Stack, max_tokens: int = 5000) -> None:
     """kill -9 the peer: the open stream ends with an error event and [DONE], promptly;
-    a request waiting for its answer gets a 503; nothing hangs."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
+    a request waiting for its answer gets a 503; nothing hangs. ``max_tokens``: long
+    enough that the peer cannot finish both before the kill (an unpaced CUDA peer
+    generated 5,000 tokens in 70 ms)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         full = asyncio.create_task(session.post(f"{stack.base_url}/v1/completions", json=body))

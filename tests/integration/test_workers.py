@@ -14,6 +14,7 @@ import aiohttp
 import trustme
 
 from dpu_frontend.control.stats import peer_stats
+from dpu_frontend.softroce.processes import CLI
 from tests.integration.lifecycle import endings, eventually, outcome, read_events
 from tests.integration.test_metrics import PROMTOOL
 from tests.stack import MODEL, Stack, running_stack
@@ -42,6 +43,14 @@ async def test_two_workers_share_the_port_and_aggregate_metrics() -> None:
         assert [c["attached"] for c in channels] == [True, True]  # one channel per worker
         assert sum(c["admitted"] for c in channels) == REQUESTS
         assert all(c["admitted"] > 0 for c in channels), channels
+        # The operator's view, from the CLI: the channels, and the kernel's own counters
+        # (none for the reference generator; a model peer's engine has them).
+        cli = await asyncio.create_subprocess_exec(
+            *CLI, "peer-stats", "--peer", str(stack.peer_address()),
+            stdout=asyncio.subprocess.PIPE)
+        report = json.loads((await cli.communicate())[0])
+        assert cli.returncode == 0 and report["kernel"] == {}
+        assert [c["admitted"] for c in report["channels"]] == [c["admitted"] for c in channels]
 
         # Each worker set its gauges before its ready line: no wait for a refresh.
         async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/metrics") as r:

@@ -71,6 +71,12 @@ def engine(overlap: bool, *, num_blocks: int = 64, max_seqs: int = 8,
                        EngineOptions(max_batched_tokens=budget, overlap=overlap))
 
 
+def runner_steps(eng: ModelEngine) -> int:
+    runner = eng.runner
+    assert isinstance(runner, FakeRunner)
+    return runner.steps
+
+
 def workload(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
     prompts = [[1] * rng.randrange(1, 120) for _ in range(n)]
     params = [SamplingParams(max_tokens=rng.randrange(1, 60), seed=rng.randrange(1 << 32),
@@ -93,8 +99,13 @@ def test_overlapped_steps_give_the_same_results(seed: int) -> None:
     results = []
     for overlap in (False, True):
         eng = engine(overlap, num_blocks=rng.choice([40, 64, 200]))
-        results.append(summary(eng.generate(prompts, params)))
+        out = eng.generate(prompts, params)
+        results.append(summary(out))
         assert eng.idle and eng.scheduler.pool.free == eng.scheduler.pool.num_blocks
+        # Every emitted token was drawn (and an overlapped engine draws a few it drops).
+        stats = eng.stats
+        assert stats.tokens >= sum(len(c.tokens) for c in out) > 0
+        assert stats.scheduled_tokens >= sum(map(len, prompts)) and 0 < stats.steps <= runner_steps(eng)
     assert results[0] == results[1]
     assert any(f is FinishReason.STOP for _, f, _ in results[0])
     assert any(f is FinishReason.LENGTH for _, f, _ in results[0])

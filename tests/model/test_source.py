@@ -4,13 +4,15 @@ events, cancels, errors, the ring's budget (no GPU)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
-from dpu_frontend.model.events import TokenEvent
+from dpu_frontend.config import PeerConfig
+from dpu_frontend.model.events import EngineStats, TokenEvent
 from dpu_frontend.model.options import add_model_arguments, model_peer_options
 from dpu_frontend.model.source import EngineHub, ModelSource
-from dpu_frontend.peer.reference import RecordSpace
+from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
 
 
@@ -21,6 +23,7 @@ class ScriptedEngine:
         self.scripts = scripts  # by prompt's first token
         self.running: dict[int, tuple[list[int], FinishReason]] = {}
         self.cancelled: list[int] = []
+        self.stats = EngineStats()
 
     @property
     def idle(self) -> bool:
@@ -118,6 +121,34 @@ def test_channels_share_one_engine_and_a_reset_drops_only_its_own() -> None:
     assert b.step(0.0, 10) == [ResponseRecord(5, (3, 4), FinishReason.LENGTH)]
 
 
+def test_a_busy_engine_steps_back_to_back_and_an_idle_one_every_tick(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's loop sleeps a tick only when the engine had nothing to run: a busy
+    engine's steps follow each other with a bare yield to the control plane."""
+    engine = ScriptedEngine({1: ([1, 2, 3], FinishReason.LENGTH)})
+    hub = EngineHub(engine)
+    ModelSource(hub, RecordSpace(4, 1)).admit(record(7), (1,), 0.0)
+    kernel = ReferenceKernel(PeerConfig(tick_s=0.5), [], (), between_steps=hub.step,
+                             stats=hub.stats)
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        sleeps.append(delay)
+        if len(sleeps) == 5:
+            raise RuntimeError("enough ticks")  # ends the loop as a failure would
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the module the peer loop calls
+    asyncio.run(kernel._run())
+    assert sleeps == [0, 0, 0, 0.5, 0.5]  # three steps, then idle
+    stats = kernel.kernel_stats()  # the hub's, through the kernel (peer-stats)
+    assert stats["engine_s"] > 0 and stats["loop_s"] > 0
+    assert set(EngineStats().as_dict()) <= set(stats)
+    failure = kernel.failure()
+    assert failure is not None and "enough ticks" in failure
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
@@ -129,7 +160,7 @@ def test_model_peer_flags() -> None:
                                        "--max-batched-tokens", "512", "--no-cuda-graphs"))
     assert options.runner.dtype == "float32" and options.runner.num_blocks == 100
     assert not options.runner.cuda_graphs and options.engine.max_batched_tokens == 512
-    assert not options.engine.overlap and model_peer_options(parse("--overlap")).engine.overlap
+    assert options.engine.overlap and not model_peer_options(parse("--no-overlap")).engine.overlap
     with pytest.raises(ValueError, match="memory_fraction"):
         model_peer_options(parse("--memory-fraction", "0.01"))
     with pytest.raises(ValueError, match="max_batched_tokens"):
