@@ -1,14 +1,19 @@
-"""Warps and pipeline stages of the paged-attention kernel, for decode batches, against
-the bandwidth bound of reading every sequence's K and V once.
+"""Tiles, warps, pipeline stages and KV splits of the paged-attention kernel, for decode
+batches, against the bandwidth bound of reading every sequence's K and V once.
 
-As for the linear tiles, a configuration is a candidate only when its output
-is bit for bit the current one's. Candidates vary the tile's rows too: a decode tile has one query token, so
-rows beyond the KV group's query heads are padding. The batch is decode-only (one query token
-per sequence, Qwen3-0.6B's 16 query and 8 KV heads of 128), every sequence at
-``--context`` tokens in a paged cache of 32-token blocks spread over the pool.
-GPU time from a CUDA graph of ``--reps`` launches, median of ``--iters``.
+As for the linear tiles, a tile configuration is a candidate only when its output
+is bit for bit the current one's. Candidates vary the tile's rows too: a decode tile has
+one query token, so rows beyond the KV group's query heads are padding. The split
+candidates (programs per tile and KV head, pages per chunk) change the reduction order,
+so their bits differ by construction: they are timed for the choice of the constants.
+The batch is decode-only (one query token per sequence, Qwen3-0.6B's 16 query and 8 KV
+heads of 128), every sequence at ``--context`` tokens (with ``--long``, the first at
+that many: one long context among short ones, as a serving batch has) in a paged cache of
+32-token blocks spread over the pool. GPU time from a CUDA graph of launches, median
+of ``--iters``.
 
     python -m benchmarks.attention_tiles --batch 1 64 256 --context 1024
+    python -m benchmarks.attention_tiles --batch 256 --context 328 --long 3500
 """
 
 from __future__ import annotations
@@ -24,25 +29,35 @@ from benchmarks.linear_tiles import timed
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model import kernels
 
-#: Tile rows, warps, stages.
-CANDIDATES = list(itertools.product((16, 32, 64), (4, 8), (2, 3, 4)))
+#: Tile rows, warps, stages, splits, pages per chunk.
+Candidate = tuple[int, int, int, int, int]
+CURRENT: Candidate = (kernels.ATTN_ROWS, kernels.ATTN_WARPS, kernels.ATTN_STAGES,
+                      kernels.ATTN_SPLITS, kernels.ATTN_CHUNK_PAGES)
+CANDIDATES: list[Candidate] = list(dict.fromkeys(
+    [(r, w, st, CURRENT[3], CURRENT[4])
+     for r, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
+    + [(*CURRENT[:3], sp, cp) for sp, cp in itertools.product((1, 4, 8, 16), (4, 8, 16))]))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--long", type=int, default=0,
+                        help="the first sequence's context (0: as the others)")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     hq, hkv, dim, page = 16, 8, 128, 32
     figures: dict[str, object] = {"copy bandwidth, GB/s": round(bandwidth / 1e9, 1),
-                                  "context": args.context}
+                                  "context": args.context, "first sequence's context":
+                                  args.long or args.context}
     gen = torch.Generator(device=device).manual_seed(2)
-    current = (kernels.ATTN_ROWS, kernels.ATTN_WARPS, kernels.ATTN_STAGES)
+    current = CURRENT
     for n in args.batch:
-        pages = -(-(args.context + 1) // page)
+        contexts = [args.long or args.context] + [args.context] * (n - 1)
+        pages = -(-(max(contexts) + 1) // page)
         blocks = n * pages + 1
         k_cache = torch.randn((blocks, hkv, page, dim), generator=gen, device=device,
                               dtype=torch.bfloat16)
@@ -52,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn((n, hq, dim), generator=gen, device=device, dtype=torch.bfloat16)
         ones = torch.ones(n, dtype=torch.int32, device=device)
         arange = torch.arange(n, dtype=torch.int32, device=device)
-        meta = (tables, arange, torch.zeros_like(ones), arange, ones,
-                torch.full_like(ones, args.context))
+        ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
+        meta = (tables, arange, torch.zeros_like(ones), arange, ones, ctx, ctx.to(torch.int64))
         outs = {c: torch.empty_like(q) for c in CANDIDATES}
-        bound_us = n * (args.context + 1) * hkv * dim * 2 * 2 / bandwidth * 1e6
-        times: dict[tuple[int, int, int], float] = {}
+        bound_us = (sum(contexts) + n) * hkv * dim * 2 * 2 / bandwidth * 1e6
+        times: dict[Candidate, float] = {}
         for c in CANDIDATES:
             run = partial(kernels.paged_attention, q, k_cache, v_cache, *meta, outs[c],
-                          rows=c[0], warps=c[1], stages=c[2])
+                          rows=c[0], warps=c[1], stages=c[2], splits=c[3], chunk_pages=c[4])
             try:
                 run()
             except Exception as exc:  # out of resources: not a candidate
@@ -69,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         base = outs[current]
         exact = {c: t for c, t in times.items() if torch.equal(outs[c], base)}
         best = min(exact, key=exact.__getitem__)
+        name = "{}r{}w{}s{}x{}p".format
         print(f"batch {n}: bound {bound_us:.1f} us per layer; " + "  ".join(
-            f"{r}r{w}w{s}s {t:.1f}{'' if c in exact else ' (inexact)'}"
-            for c, t in times.items() for r, w, s in [c]))
-        name = "{}r{}w{}s".format
+            f"{name(*c)} {t:.1f}{'' if c in exact else ' (inexact)'}" for c, t in times.items()))
+        fastest = min(times, key=times.__getitem__)
+        figures[f"batch {n}: fastest {name(*fastest)}, us / bound"] = (
+            f"{times[fastest]:.1f} / {bound_us:.1f} ({times[fastest] / bound_us:.2f}x)")
         figures[f"batch {n}: current {name(*current)}, us / bound"] = (
             f"{times[current]:.1f} / {bound_us:.1f} ({times[current] / bound_us:.2f}x)")
         figures[f"batch {n}: best exact {name(*best)}, us / bound"] = (

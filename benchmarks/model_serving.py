@@ -68,13 +68,14 @@ def engine_figures(name: str, before: dict[str, float], after: dict[str, float])
     d = {k: after[k] - before[k] for k in after}
     steps = d["steps"] or 1
     per = {k: round(d[k] / steps * 1e3, 2)
-           for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s")}
+           for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s", "gpu_s")}
     return {
         f"{name}: engine steps, mean sampled / scheduled tokens": f"{d['steps']:.0f}, "
         f"{d['tokens'] / steps:.0f} / {d['scheduled_tokens'] / steps:.0f}",
         f"{name}: per step, ms: engine (launch + wait for tokens + judge) / loop between steps":
             f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + {per['judge_s']}) / "
             f"{per['loop_s']}",
+        f"{name}: per step, ms: GPU time": per["gpu_s"],
     }
 
 

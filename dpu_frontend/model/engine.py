@@ -137,12 +137,10 @@ class ModelEngine:
         """Wait for a launched batch's tokens; judge each against its stop rules."""
         drawn = launched.drawn
         began = time.perf_counter()
-        tokens = drawn.tokens.tolist()
-        chosen = drawn.logprob.tolist() if drawn.logprob is not None else None
-        top_ids = drawn.top_ids.tolist() if drawn.top_ids is not None else None
-        top_lps = drawn.top_logprobs.tolist() if drawn.top_logprobs is not None else None
+        tokens, chosen, top_ids, top_lps = drawn.lists()
         arrived = time.perf_counter()
         self.stats.wait_s += arrived - began
+        self.stats.gpu_s += drawn.gpu_seconds()
         self.stats.tokens += len(tokens)
         events = []
         for i, seq in enumerate(launched.sampled):

@@ -30,6 +30,7 @@ class EngineStats:
     scheduled_tokens: int = 0  # prompt and decode tokens through the model
     launch_s: float = 0.0  # host: schedule, the step's inputs, the launches
     wait_s: float = 0.0  # host waiting for a step's tokens to reach it
+    gpu_s: float = 0.0  # the steps' GPU time (CUDA events around each step's work)
     judge_s: float = 0.0  # host: the stop rules, the events
 
     def as_dict(self) -> dict[str, Any]:

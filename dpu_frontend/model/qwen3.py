@@ -181,7 +181,8 @@ class Qwen3:
             self.v_cache[n, blocks, :, offsets] = v.reshape(t, c.num_kv_heads, c.head_dim)
             o = torch.empty_like(q)
             kernels.paged_attention(q, self.k_cache[n], self.v_cache[n], attn.tables, attn.tile_seq,
-                                    attn.tile_row, attn.q_start, attn.q_len, attn.ctx_start, o)
+                                    attn.tile_row, attn.q_start, attn.q_len, attn.ctx_start,
+                                    attn.positions, o)
             h = h + kernels.linear(o.reshape(t, c.q_size), layer.o_proj)
             x = kernels.rms_norm(h, layer.post_norm, eps)
             h = h + kernels.linear(kernels.silu_mul(kernels.linear(x, layer.gate_up)), layer.down)

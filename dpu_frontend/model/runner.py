@@ -99,6 +99,8 @@ class ModelRunner:
         if not batch.works:
             return None
         samplers = [w.seq for w in batch.works if w.sample]
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
         inputs = self._inputs(batch)
         graphs = self.graphs
         graph = graphs.graph_for(inputs) if graphs is not None else None
@@ -125,9 +127,10 @@ class ModelRunner:
         tokens = self.sampler.draw(penalized, params)
         self.tokens[slots, where[1]] = tokens
         self.counts[slots, tokens] += 1
-        if top_logprobs < 0:
-            return Drawn(tokens, None, None, None)
-        return Sampler.logprobs(logits, tokens, top_logprobs)
+        drawn = (Drawn(tokens, None, None, None) if top_logprobs < 0
+                 else Sampler.logprobs(logits, tokens, top_logprobs))
+        drawn.send_home(start)
+        return drawn
 
     def _inputs(self, batch: Batch) -> StepInputs:
         return step_inputs(batch, self.options.block_size, ATTN_ROWS // self.config.group_size)

@@ -73,6 +73,48 @@ class Drawn:
     logprob: torch.Tensor | None  # [B] float32: the drawn token's
     top_ids: torch.Tensor | None  # [B, k] int64
     top_logprobs: torch.Tensor | None  # [B, k] float32
+    #: Events around the step's GPU work (the runner's), for its GPU time.
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    #: The four results' copies in pinned host memory (``send_home``).
+    home: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                torch.Tensor | None] | None = None
+
+    def send_home(self, start: torch.cuda.Event) -> None:
+        """Queue the results' copies to the host right behind this step's work, so that
+        ``lists`` waits for this step alone: a blocking ``tolist`` would queue its copy
+        behind whatever was launched since (an overlapped engine's next step)."""
+        self.home = (_pinned(self.tokens), *(None if t is None else _pinned(t)
+                                              for t in (self.logprob, self.top_ids,
+                                                        self.top_logprobs)))
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.span = (start, end)
+
+    def lists(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
+                             list[list[float]] | None]:
+        """Tokens, their log probabilities, the alternatives' ids and theirs, once this
+        step's copies have landed (the wait releases the GIL: the peer's loop runs on)."""
+        if self.home is None or self.span is None:
+            raise RuntimeError("the results were not sent home")
+        self.span[1].synchronize()
+        tokens, logprob, top_ids, top_logprobs = self.home
+        return (tokens.tolist(), None if logprob is None else logprob.tolist(),
+                None if top_ids is None else top_ids.tolist(),
+                None if top_logprobs is None else top_logprobs.tolist())
+
+    def gpu_seconds(self) -> float:
+        """The step's GPU time, from its first operation to its last; call after
+        ``lists``."""
+        if self.span is None:
+            return 0.0
+        start, end = self.span
+        return float(start.elapsed_time(end)) / 1e3
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class Sampler:

@@ -26,6 +26,14 @@ class FakeDrawn:
     top_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
 
+    def lists(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
+                             list[list[float]] | None]:
+        return tuple(None if a is None else a.tolist()  # type: ignore[return-value]
+                     for a in (self.tokens, self.logprob, self.top_ids, self.top_logprobs))
+
+    def gpu_seconds(self) -> float:
+        return 0.0
+
 
 def draw(seq: Sequence) -> int:
     """A token from (seed, output index): EOS now and then."""
