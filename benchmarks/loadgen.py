@@ -156,8 +156,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def summary(done: Run, name: str) -> dict[str, object]:
-    """The figures of one run, keyed ``"{name}: ..."``."""
+def full_batch_tokens_per_s(results: list[Result], width: int) -> float:
+    """Output tokens/s while at least ``width`` requests were in flight (a server of
+    that batch width kept full): a run of requests sent at once ends in a tail of a
+    few long answers, which the whole run's average counts in. Each request's tokens
+    are taken as spread evenly from its first token to its last."""
+    ends = sorted(r.arrival + r.duration for r in results)
+    if len(ends) < width:
+        return 0.0
+    until = ends[len(ends) - width]  # from here fewer than ``width`` remain
+    tokens = 0.0
+    for r in results:
+        first, last = r.arrival + r.ttft, r.arrival + r.duration
+        if r.tokens <= 1 or last <= first:
+            tokens += r.tokens if last <= until else 0
+            continue
+        tokens += r.tokens * max(0.0, min(last, until) - first) / (last - first)
+    return tokens / until if until > 0 else 0.0
+
+
+def summary(done: Run, name: str, full_batch: int = 0) -> dict[str, object]:
+    """The figures of one run, keyed ``"{name}: ..."``; with ``full_batch``, the
+    output tokens/s while that many requests were in flight."""
     tokens = sum(r.tokens for r in done.results)
     ttft = [r.ttft * 1e3 for r in done.results]
     tpot = [t * 1e3 for r in done.results if (t := r.tpot) is not None]
@@ -169,4 +189,5 @@ def summary(done: Run, name: str) -> dict[str, object]:
             round(done.client_cpu_s / done.elapsed, 2) if done.elapsed else 0,
         f"{name}: mean tokens per request": round(statistics.mean(
             r.tokens for r in done.results), 1) if done.results else 0,
-    }
+    } | ({f"{name}: output tokens/s while {full_batch} or more were in flight":
+          round(full_batch_tokens_per_s(done.results, full_batch))} if full_batch else {})

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=Path, default=Path("build/sharegpt-lengths.json"))
     ap.add_argument("--rates", type=float, nargs="+", default=[4, 16, 64, float("inf")])
     ap.add_argument("--requests", type=int, default=400, help="per rate")
-    ap.add_argument("--workers", type=int, default=2, help="daemon worker processes")
+    ap.add_argument("--workers", type=int, default=4, help="daemon worker processes")
     ap.add_argument("--clients", type=int, default=4, help="load generator processes")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=20261126)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 done = run(stack.base_url, jobs(args.requests), rate, clients=args.clients,
                            seed=rng.randrange(1 << 30))
             tokens = sum(r.tokens for r in done.results)
-            figures |= summary(done, name)
+            figures |= summary(done, name, full_batch=args.max_seqs if rate == float("inf") else 0)
             figures |= engine_figures(name, engine0, engine_counters(stack.peer_address()))
             figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
                 (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)

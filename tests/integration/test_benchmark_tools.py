@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import common, idle_cost
-from benchmarks.loadgen import Job, run, schedule, summary
+from benchmarks.loadgen import Job, Result, full_batch_tokens_per_s, run, schedule, summary
 from tests.stack import Stack
 
 
@@ -19,6 +19,14 @@ def test_the_schedule_is_poisson_or_all_at_once() -> None:
     assert schedule(5, float("inf"), random.Random(1)) == [0.0] * 5
     times = schedule(2000, 100.0, random.Random(1))
     assert times == sorted(times) and 15 < times[-1] < 25  # 2,000 arrivals at 100/s
+
+
+def test_the_full_batch_rate_leaves_out_the_tail() -> None:
+    """Four answers of 10 tokens over 1, 2, 3 and 4 s, sent at once, and a server two
+    wide: full until the third ends (3 s), when the fourth had given 3/4 of its tokens."""
+    results = [Result(0.0, 0.0, float(d), 10, 10) for d in (1, 2, 3, 4)]
+    assert full_batch_tokens_per_s(results, 2) == pytest.approx(37.5 / 3)
+    assert full_batch_tokens_per_s(results, 5) == 0.0  # never that many in flight
 
 
 @pytest.mark.parametrize("rate", [float("inf"), 200.0])
