@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpu_frontend.model.sampling import GREEDY_BELOW
 from dpu_frontend.model.scheduler import Batch
+from dpu_frontend.ring.records import SamplingParams
 
 
 @dataclass(slots=True)
@@ -75,3 +77,70 @@ def step_inputs(batch: Batch, page: int, per_tile: int) -> StepInputs:
         tables=tables, tile_seq=tile_seq, tile_row=tile_row, q_start=q_start,
         q_len=counts.astype(np.int32), ctx_start=starts.astype(np.int32),
         sample_rows=(q_start + counts - 1)[sampling].astype(np.int64))
+
+
+@dataclass(slots=True)
+class SamplingRows:
+    """A step's sampling parameters, one column per sampling row, and the facts that
+    let the sampler skip whole stages."""
+
+    floats: np.ndarray  # [6, n] float32: temperature, top_p, min_p, presence, frequency, repetition
+    ints: np.ndarray  # [3, n] int64: top_k (0: off), the seed's u64 bits, the output index
+    top_k_max: int
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    all_greedy: bool
+
+    @classmethod
+    def of(cls, floats: np.ndarray, ints: np.ndarray) -> SamplingRows:
+        temperature, top_p, min_p, presence, frequency, repetition = floats
+        top_k = ints[0]
+        return cls(floats, ints, top_k_max=int(top_k.max(initial=0)), any_top_k=bool(top_k.any()),
+                   any_top_p=bool((top_p < 1.0).any()), any_min_p=bool((min_p > 0).any()),
+                   any_penalty=bool(((repetition != 1.0) | (frequency != 0) | (presence != 0)).any()),
+                   all_greedy=bool((temperature < GREEDY_BELOW).all()))
+
+    @classmethod
+    def from_params(cls, rows: list[tuple[SamplingParams, int, int]], vocab_size: int) -> SamplingRows:
+        """From (params, seed, output index) rows (tests)."""
+        floats = np.array([_floats(p) for p, _, _ in rows], np.float32).reshape(-1, 6).T
+        ints = np.array([(_top_k(p, vocab_size), _seed_bits(seed), step) for p, seed, step in rows],
+                        np.int64).reshape(-1, 3).T
+        return cls.of(np.ascontiguousarray(floats), np.ascontiguousarray(ints))
+
+
+class SlotParams:
+    """Each runner slot's sampling parameters, set when a sequence is admitted to it: a
+    step gathers its rows' with one NumPy index instead of a loop over them."""
+
+    def __init__(self, slots: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.floats = np.zeros((6, slots), np.float32)
+        self.top_k = np.zeros(slots, np.int64)
+        self.seed = np.zeros(slots, np.int64)
+
+    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.floats[:, slot] = _floats(params)
+        self.top_k[slot] = _top_k(params, self.vocab_size)
+        self.seed[slot] = _seed_bits(seed)
+
+    def rows(self, slots: np.ndarray, steps: np.ndarray) -> SamplingRows:
+        """The rows of sequences in ``slots`` drawing their output index ``steps``."""
+        return SamplingRows.of(self.floats[:, slots],
+                               np.stack([self.top_k[slots], self.seed[slots], steps]))
+
+
+def _floats(p: SamplingParams) -> tuple[float, ...]:
+    return (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+            p.repetition_penalty)
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    return p.top_k if 0 < p.top_k < vocab_size else 0
+
+
+def _seed_bits(seed: int) -> int:
+    """A u64 seed's bits as an int64."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -21,7 +21,7 @@ from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.graphs import StepGraphs
 from dpu_frontend.model.kernels import ATTN_ROWS
-from dpu_frontend.model.metadata import StepInputs, step_inputs
+from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
 from dpu_frontend.model.sampler import Drawn, Sampler, batch_params
@@ -57,6 +57,7 @@ class ModelRunner:
         rotary = RotaryTable(c, o.max_model_len, self.dtype, self.device)
         self.model = Qwen3(c, weights, k_cache, v_cache, rotary)
         self.sampler = Sampler(c.vocab_size, self.device)
+        self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
         self.tokens = torch.zeros((o.max_seqs, o.max_model_len), dtype=torch.int64, device=self.device)
         self.counts = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.int32, device=self.device)
         self.in_prompt = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.bool, device=self.device)
@@ -91,6 +92,7 @@ class ModelRunner:
         self.counts[seq.slot].zero_()
         self.in_prompt[seq.slot].zero_()
         self.in_prompt[seq.slot, ids] = True
+        self.slot_params.set(seq.slot, seq.params, seq.seed)
 
     def step(self, batch: Batch, top_logprobs: int = -1) -> Drawn | None:
         """Run ``batch``; the drawn tokens of its sampling works, in work order.
@@ -118,10 +120,12 @@ class ModelRunner:
         if 0 < limit < logits.shape[1]:
             # Padding rows of the embedding are no token: never drawn, no probability.
             logits[:, limit:] = float("-inf")
-        params = batch_params([(s.params, s.seed, s.generated) for s in samplers],
-                              self.config.vocab_size, self.device)
-        where = _to_device(torch.tensor([[s.slot for s in samplers], [s.total for s in samplers]],
-                                        dtype=torch.int64), self.device)
+        n = len(samplers)
+        rows = np.fromiter((x for s in samplers for x in (s.slot, s.generated, s.prompt_len)),
+                           np.int64, 3 * n).reshape(n, 3).T
+        params = batch_params(self.slot_params.rows(rows[0], rows[1]), self.device)
+        # Each row's slot, and where its token goes there (the position after its last).
+        where = _to_device(torch.from_numpy(np.stack([rows[0], rows[1] + rows[2]])), self.device)
         slots = where[0]
         penalized = self.sampler.penalize(logits, params, slots, self.counts, self.in_prompt)
         tokens = self.sampler.draw(penalized, params)

@@ -14,8 +14,8 @@ from typing import cast
 import torch
 
 # The reference's hash, applied to int64 tensors: the same operators, the same bits.
+from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW, fmix32
-from dpu_frontend.ring.records import SamplingParams
 
 
 @dataclass
@@ -40,31 +40,21 @@ class BatchParams:
     all_greedy: bool
 
 
-def batch_params(rows: list[tuple[SamplingParams, int, int]], vocab_size: int,
-                 device: torch.device) -> BatchParams:
-    """The device arrays for rows of (params, seed, output index)."""
-    ps = [p for p, _, _ in rows]
-    n = len(rows)
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps]
-    # One host-to-device copy for the float rows, one for the integer rows.
-    floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                           [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
-                           [p.repetition_penalty for p in ps]], dtype=torch.float32)
-    ints = torch.tensor([top_k,
-                         # a u64 seed's bits as an int64
-                         [seed - (1 << 64) if seed >= 1 << 63 else seed for _, seed, _ in rows],
-                         [step for _, _, step in rows]], dtype=torch.int64)
-    f = floats.pin_memory().to(device, non_blocking=True) if n else floats.to(device)
-    i = ints.pin_memory().to(device, non_blocking=True) if n else ints.to(device)
+def batch_params(rows: SamplingRows, device: torch.device) -> BatchParams:
+    """The device arrays of a step's rows: one host-to-device copy for the float rows,
+    one for the integer rows, both pinned and queued."""
+    n = rows.floats.shape[1]
+    f, i = torch.from_numpy(rows.floats), torch.from_numpy(rows.ints)
+    if n:
+        f = f.pin_memory().to(device, non_blocking=True)
+        i = i.pin_memory().to(device, non_blocking=True)
+    else:
+        f, i = f.to(device), i.to(device)
     return BatchParams(
         temperature=f[0], top_p=f[1], min_p=f[2], presence=f[3], frequency=f[4], repetition=f[5],
-        top_k=i[0], seed=i[1], step=i[2],
-        top_k_max=max(top_k, default=0), any_top_k=any(top_k),
-        any_top_p=any(p.top_p < 1.0 for p in ps), any_min_p=any(p.min_p > 0 for p in ps),
-        any_penalty=any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                        for p in ps),
-        all_greedy=all(p.temperature < GREEDY_BELOW for p in ps),
-    )
+        top_k=i[0], seed=i[1], step=i[2], top_k_max=rows.top_k_max, any_top_k=rows.any_top_k,
+        any_top_p=rows.any_top_p, any_min_p=rows.any_min_p, any_penalty=rows.any_penalty,
+        all_greedy=rows.all_greedy)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import transformers
 
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
 from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.options import EngineOptions, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.sampler import batch_params
@@ -211,8 +212,8 @@ def test_sampler_matches_the_reference(bf16_engine: ModelEngine) -> None:
     params = [replace(MIXED[i % 3], presence_penalty=0.0, frequency_penalty=0.0,
                       repetition_penalty=1.0, seed=1000 + i) for i in range(logits.shape[0])]
     rows = [(p, p.seed or 0, i) for i, p in enumerate(params)]
-    drawn = runner.sampler.draw(logits, batch_params(rows, runner.config.vocab_size,
-                                                     runner.device)).tolist()
+    drawn = runner.sampler.draw(logits, batch_params(
+        SamplingRows.from_params(rows, runner.config.vocab_size), runner.device)).tolist()
     host = logits.cpu().numpy()
     same = sum(drawn[i] == reference_sample(host[i], p, p.seed or 0, i) for i, p in enumerate(params))
     print(f"GPU sampler = NumPy reference on {same} of {len(params)} rows")

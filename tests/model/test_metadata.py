@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpu_frontend.model.blocks import BlockPool, BlockTable
-from dpu_frontend.model.metadata import StepInputs, step_inputs
+from dpu_frontend.model.metadata import SamplingRows, SlotParams, StepInputs, step_inputs
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
 from dpu_frontend.ring.records import SamplingParams
 
@@ -71,3 +71,29 @@ def test_the_vectorized_metadata_equals_the_loop(decode_only: bool) -> None:
         assert got.positions.dtype == got.cache_slots.dtype == got.slots.dtype == np.int64
         assert isinstance(got, StepInputs) and got.decode == (
             decode_only and all(w.sample for w in batch.works))
+
+
+def test_slot_params_gather_what_the_rows_say() -> None:
+    """A step's sampling rows gathered from the slots equal those built row by row, and
+    the stage flags follow the rows actually in the step."""
+    vocab = 1000
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    fancy = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                           presence_penalty=0.5, repetition_penalty=1.1)
+    huge_k = SamplingParams(max_tokens=8, temperature=1.0, top_k=5000)  # past the vocabulary: off
+    table = SlotParams(8, vocab)
+    seeds = {1: 7, 4: (1 << 64) - 1, 6: 1 << 63}
+    for slot, params in ((1, greedy), (4, fancy), (6, huge_k)):
+        table.set(slot, params, seeds[slot])
+    rows = table.rows(np.array([4, 1, 6]), np.array([3, 0, 9]))
+    want = SamplingRows.from_params([(fancy, seeds[4], 3), (greedy, seeds[1], 0),
+                                     (huge_k, seeds[6], 9)], vocab)
+    assert np.array_equal(rows.floats, want.floats) and np.array_equal(rows.ints, want.ints)
+    assert rows.ints[1].tolist() == [-1, 7, -(1 << 63)]  # a u64 seed's bits as an int64
+    assert rows.ints[0].tolist() == [40, 0, 0] and rows.top_k_max == 40
+    assert (rows.any_top_k, rows.any_top_p, rows.any_min_p, rows.any_penalty,
+            rows.all_greedy) == (True, True, True, True, False)
+    alone = table.rows(np.array([1]), np.array([5]))
+    assert (alone.any_top_k, alone.any_top_p, alone.any_penalty, alone.all_greedy) == (
+        False, False, False, True)
+    assert SamplingRows.from_params([], vocab).floats.shape == (6, 0)
