@@ -6,13 +6,14 @@ the stand-in runner of ``tests/model/test_engine.py``, whose draws cost about a
 microsecond a sequence), the hand-over of each token to its channel
 (``EngineHub.deliver``), the records built from them (``ModelSource.step``)
 and their publication in a response ring (``GpuChannel.publish``). ``--seqs``
-sequences decode one token a step, none ending. The bare limit beside it:
+sequences decode one token a step, none ending; ``--waiting`` more wait for a
+slot (as at saturation, where requests queue in the engine). The bare limit beside it:
 publishing the same number of prebuilt records, the least a host-driven peer
 does per step. The runner's own host work (the step's metadata, the sampling
 parameters, the launches) needs a GPU: ``benchmarks.model_serving`` reports
 it as ``launch``.
 
-    python -m benchmarks.peer_host --seqs 256
+    python -m benchmarks.peer_host --seqs 256 --waiting 750
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ from tests.model.test_engine import FakeRunner
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--waiting", type=int, default=0, help="sequences queued for a slot")
     ap.add_argument("--steps", type=int, default=200, help="steps per measurement")
     args = ap.parse_args(argv)
 
-    layout = Geometry(resp_slots=max(4096, 2 * args.seqs)).plan(instance=1)
+    layout = Geometry(resp_slots=max(4096, 2 * args.seqs),
+                      max_sequences=max(1024, args.seqs + args.waiting)).plan(instance=1)
     ch = layout.channels[0]
     region = mmap.mmap(-1, layout.region_size)
     memory = AtomicMemory(region)
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     hub = EngineHub(engine)
     source = ModelSource(hub, RecordSpace(ch.tokens_per_response, ch.logprob_tokens_per_response))
     params = SamplingParams(max_tokens=1 << 19, ignore_eos=True, temperature=0.0)
-    for i in range(args.seqs):
+    for i in range(args.seqs + args.waiting):
         source.admit(GenerateRecord(i, 0, 1, params), (5,) * 64, 0.0)
     for _ in range(3):  # prefill, then decoding
         hub.deliver(engine.step())
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_s = best_of(bare) / args.steps - reset
     per_seq = 1e6 / args.seqs
     record("peer_host", {
-        "sequences": args.seqs,
+        "sequences": args.seqs, "waiting for a slot": args.waiting,
         "host work per step, ms (best)": round((total - reset) * 1e3, 3),
         "  engine: schedule, stand-in runner, stop rules, us/sequence":
             round(spent["engine"] / calls * per_seq, 2),

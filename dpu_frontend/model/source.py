@@ -98,6 +98,9 @@ class ModelSource(ActiveSequences[_Pending]):
         self.hub = hub
         self.space = space
         self.stats = GeneratorStats()
+        #: Request ids with tokens or a finish to publish, in arrival order: a step
+        #: visits these, not every active request (most wait for a slot at saturation).
+        self._ready: dict[int, None] = {}
         super().__init__()
 
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
@@ -107,6 +110,7 @@ class ModelSource(ActiveSequences[_Pending]):
         except ValueError as exc:  # a prompt the model cannot take: the request fails alone
             log.warning("request %d refused by the engine: %s", record.request_id, exc)
             self._active[record.request_id] = _Pending(-1, finish=FinishReason.ERROR)
+            self._ready[record.request_id] = None
             return
         self._active[record.request_id] = _Pending(seq_id, record.params.logprobs is not None)
 
@@ -122,11 +126,13 @@ class ModelSource(ActiveSequences[_Pending]):
                                        f"{request_id} no log probability")
                 pending.entries.append(TokenLogprobs(event.logprob, event.top))
         pending.finish = event.finish
+        self._ready[request_id] = None
 
     def cancel(self, request_id: int) -> ResponseRecord | None:
         pending = self._active.pop(request_id, None)
         if pending is None:
             return None
+        self._ready.pop(request_id, None)
         self.hub.cancel(pending.seq_id)
         self.stats.cancelled += 1
         self.stats.cancelled_ids.append(request_id)
@@ -136,10 +142,12 @@ class ModelSource(ActiveSequences[_Pending]):
         for pending in self._active.values():
             self.hub.cancel(pending.seq_id)
         self._active.clear()
+        self._ready.clear()
 
     def step(self, now: float, budget: int) -> list[ResponseRecord]:
         out: list[ResponseRecord] = []
-        for request_id, pending in list(self._active.items()):
+        for request_id in list(self._ready):
+            pending = self._active[request_id]
             while len(out) < budget and (pending.tokens or pending.finish is not FinishReason.NONE):
                 room = self.space.logprob_tokens if pending.logprobs else self.space.tokens
                 n = min(room, len(pending.tokens))
@@ -153,6 +161,9 @@ class ModelSource(ActiveSequences[_Pending]):
                     del self._active[request_id]
                     self.stats.completed += 1
                     break
+            finished = request_id not in self._active
+            if finished or (not pending.tokens and pending.finish is FinishReason.NONE):
+                del self._ready[request_id]  # all published
             if len(out) >= budget:
                 break
         return out
