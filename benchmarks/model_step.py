@@ -52,6 +52,7 @@ def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) 
                        computed=context, generated=1, status=Status.RUNNING)
         if not seq.table.reserve(context + 1):
             raise SystemExit(f"the KV cache has no room for {size} x {context} tokens")
+        runner.slot_params.set(i, params, seed=i)  # as the engine's admission does
         works.append(Work(seq, context, 1, True))
     return Batch(works=works)
 

@@ -117,7 +117,9 @@ class SlotParams:
 
     def __init__(self, slots: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.floats = np.zeros((6, slots), np.float32)
+        # A slot nobody set draws as the protocol's defaults would (no penalty, no cut).
+        self.floats = np.tile(np.array(_floats(SamplingParams(max_tokens=1)), np.float32)[:, None],
+                              (1, slots))
         self.top_k = np.zeros(slots, np.int64)
         self.seed = np.zeros(slots, np.int64)
 

@@ -97,3 +97,8 @@ def test_slot_params_gather_what_the_rows_say() -> None:
     assert (alone.any_top_k, alone.any_top_p, alone.any_penalty, alone.all_greedy) == (
         False, False, False, True)
     assert SamplingRows.from_params([], vocab).floats.shape == (6, 0)
+
+
+def test_a_slot_never_set_draws_without_penalties_or_cuts() -> None:
+    rows = SlotParams(4, 1000).rows(np.array([2, 3]), np.array([0, 0]))
+    assert not (rows.any_penalty or rows.any_top_k or rows.any_top_p or rows.any_min_p)
