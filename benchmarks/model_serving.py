@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=20261126)
     ap.add_argument("--peer-arg", action="append", default=[],
-                    help="one more model-peer flag (repeat), e.g. --peer-arg=--overlap")
+                    help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="sample the model peer with py-spy at each rate, into DIR")
     args = ap.parse_args(argv)

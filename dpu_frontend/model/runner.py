@@ -24,7 +24,7 @@ from dpu_frontend.model.kernels import ATTN_ROWS
 from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
-from dpu_frontend.model.sampler import Drawn, Sampler, batch_params
+from dpu_frontend.model.sampler import Drawn, Sampler, batch_params, to_device
 from dpu_frontend.model.scheduler import Batch, Sequence
 
 log = logging.getLogger("dpu_frontend.model")
@@ -87,7 +87,7 @@ class ModelRunner:
 
     def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         """A newly admitted sequence's prompt into its slot (and the penalties' state)."""
-        ids = _to_device(torch.tensor(prompt, dtype=torch.int64), self.device)
+        ids = to_device(torch.tensor(prompt, dtype=torch.int64), self.device)
         self.tokens[seq.slot, :len(prompt)] = ids
         self.counts[seq.slot].zero_()
         self.in_prompt[seq.slot].zero_()
@@ -125,7 +125,7 @@ class ModelRunner:
                            np.int64, 3 * n).reshape(n, 3).T
         params = batch_params(self.slot_params.rows(rows[0], rows[1]), self.device)
         # Each row's slot, and where its token goes there (the position after its last).
-        where = _to_device(torch.from_numpy(np.stack([rows[0], rows[1] + rows[2]])), self.device)
+        where = to_device(torch.from_numpy(np.stack([rows[0], rows[1] + rows[2]])), self.device)
         slots = where[0]
         penalized = self.sampler.penalize(logits, params, slots, self.counts, self.in_prompt)
         tokens = self.sampler.draw(penalized, params)
@@ -145,11 +145,3 @@ class ModelRunner:
 
         attn = Attention(**{f.name: dev(getattr(step, f.name)) for f in fields(Attention)})
         return attn, self.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor to the device without waiting for the GPU: a copy from pageable
-    memory blocks the host until the stream's earlier work (the step's graph) is done,
-    so the host could not build the next step meanwhile. Pinned, the copy is queued
-    (the pinned allocator keeps the buffer until the copy has run)."""
-    return host.pin_memory().to(device, non_blocking=True)

@@ -13,8 +13,9 @@ from typing import cast
 
 import torch
 
-# The reference's hash, applied to int64 tensors: the same operators, the same bits.
 from dpu_frontend.model.metadata import SamplingRows
+
+# The reference's hash, applied to int64 tensors: the same operators, the same bits.
 from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW, fmix32
 
 
@@ -31,30 +32,29 @@ class BatchParams:
     repetition: torch.Tensor  # float32
     seed: torch.Tensor  # int64 (a u64's bits)
     step: torch.Tensor  # int64: the output index being drawn
-    #: Host-side facts that let a batch skip whole stages.
-    top_k_max: int  # the largest top_k of the batch (0: none)
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-    any_penalty: bool
-    all_greedy: bool
+    #: The host's rows, whose facts (``any_top_k``, ``all_greedy``...) let a batch skip
+    #: whole stages.
+    host: SamplingRows
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor to the device without waiting for the GPU: a copy from pageable
+    memory blocks the host until the stream's earlier work (the step's graph) is done,
+    so the host could not build the next step meanwhile. Pinned, the copy is queued
+    (the pinned allocator keeps the buffer until the copy has run)."""
+    if not host.numel():
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def batch_params(rows: SamplingRows, device: torch.device) -> BatchParams:
-    """The device arrays of a step's rows: one host-to-device copy for the float rows,
-    one for the integer rows, both pinned and queued."""
-    n = rows.floats.shape[1]
-    f, i = torch.from_numpy(rows.floats), torch.from_numpy(rows.ints)
-    if n:
-        f = f.pin_memory().to(device, non_blocking=True)
-        i = i.pin_memory().to(device, non_blocking=True)
-    else:
-        f, i = f.to(device), i.to(device)
+    """The device arrays of a step's rows: one queued copy for the float rows, one for
+    the integer rows."""
+    f = to_device(torch.from_numpy(rows.floats), device)
+    i = to_device(torch.from_numpy(rows.ints), device)
     return BatchParams(
         temperature=f[0], top_p=f[1], min_p=f[2], presence=f[3], frequency=f[4], repetition=f[5],
-        top_k=i[0], seed=i[1], step=i[2], top_k_max=rows.top_k_max, any_top_k=rows.any_top_k,
-        any_top_p=rows.any_top_p, any_min_p=rows.any_min_p, any_penalty=rows.any_penalty,
-        all_greedy=rows.all_greedy)
+        top_k=i[0], seed=i[1], step=i[2], host=rows)
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Sampler:
                  counts: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
         """``counts`` [slots, V]: output occurrences; ``in_prompt`` [slots, V] bool;
         row i is the sequence in slot ``slots[i]``. Gathered only when a row needs them."""
-        if not p.any_penalty:
+        if not p.host.any_penalty:
             return logits
         counts = counts[slots]
         seen = in_prompt[slots] | (counts > 0)
@@ -127,24 +127,24 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, p: BatchParams) -> torch.Tensor:
         greedy = torch.argmax(logits, dim=-1)
-        if p.all_greedy:
+        if p.host.all_greedy:
             return greedy
         temperature = torch.where(p.temperature < GREEDY_BELOW, 1.0, p.temperature)
         scaled = logits / temperature[:, None]
-        if p.any_top_k:
-            top = torch.topk(scaled, min(p.top_k_max, scaled.shape[-1]), dim=-1).values
+        if p.host.any_top_k:
+            top = torch.topk(scaled, min(p.host.top_k_max, scaled.shape[-1]), dim=-1).values
             k = p.top_k.clamp(min=1, max=top.shape[-1])
             kth = top.gather(1, (k - 1)[:, None])
             on = ((p.top_k > 0) & (p.top_k < scaled.shape[-1]))[:, None]
             scaled = torch.where(on & (scaled < kth), float("-inf"), scaled)
         probs = torch.softmax(scaled, dim=-1)
-        if p.any_top_p:
+        if p.host.any_top_p:
             sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
             before = torch.cumsum(sorted_p, dim=-1) - sorted_p
             drop = before >= p.top_p[:, None]
             drop[:, 0] = False
             probs = probs.scatter(1, order, torch.where(drop, 0.0, sorted_p))
-        if p.any_min_p:
+        if p.host.any_min_p:
             floor = p.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs >= floor, probs, 0.0)
         key = fmix32((p.step * _GOLDEN + _STEP_ADD) & _MASK32)
