@@ -1,9 +1,10 @@
 """Building and loading the CUDA peer's library, and its ctypes binding.
 
 ``peer_kernel.cu`` (the persistent kernel and its host API, ``peer_kernel.h``)
-ships as package data and is built with nvcc on first use into a cache
-directory, named by a hash of its sources, so that an upgrade rebuilds it
-and a second start does not. A deployment without nvcc passes a prebuilt
+and ``record_writer.cu`` (the model's record writer, ``record_writer.h``)
+ship as package data and are built with nvcc on first use into a cache
+directory, named by a hash of their sources, so that an upgrade rebuilds
+them and a second start does not. A deployment without nvcc passes a prebuilt
 library (``--library``). Nothing here is imported by the daemon: CUDA is an
 optional extra of the GPU side only.
 """
@@ -25,6 +26,9 @@ log = logging.getLogger("dpu_frontend.gpu")
 
 SOURCES = ("peer_kernel.cu", "peer_kernel.h", "ring_protocol.h")
 LIBRARY = "libdpuf_peer"
+#: The model's record writer (``dpu_frontend.model.publish``).
+RECORDS_SOURCES = ("record_writer.cu", "record_writer.h", "ring_protocol.h")
+RECORDS_LIBRARY = "libdpuf_records"
 
 
 def source_dir() -> Path:
@@ -49,25 +53,28 @@ def find_nvcc(nvcc: str | None = None) -> str:
                        "or pass a prebuilt --library")
 
 
-def build_command(nvcc: str, arch: str, output: Path) -> list[str]:
+def build_command(nvcc: str, arch: str, output: Path,
+                  sources: tuple[str, ...] = SOURCES) -> list[str]:
     src = source_dir()
     return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-Xcompiler", "-fPIC", "-shared",
-            f"-I{src}", str(src / "peer_kernel.cu"), "-o", str(output)]
+            f"-I{src}", str(src / sources[0]), "-o", str(output)]
 
 
-def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None) -> Path:
-    """The library for these sources and ``arch``, built now unless already cached."""
+def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
+          sources: tuple[str, ...] = SOURCES, library: str = LIBRARY) -> Path:
+    """The library of ``sources`` (the .cu first) for ``arch``, built now unless
+    already cached."""
     src = source_dir()
     digest = hashlib.sha256(arch.encode())
-    for name in SOURCES:
+    for name in sources:
         digest.update((src / name).read_bytes())
-    output = build_dir / f"{LIBRARY}-{arch}-{digest.hexdigest()[:16]}.so"
+    output = build_dir / f"{library}-{arch}-{digest.hexdigest()[:16]}.so"
     if output.is_file():
         return output
     build_dir.mkdir(parents=True, exist_ok=True)
     partial = output.with_suffix(f".{os.getpid()}.tmp")
-    command = build_command(find_nvcc(nvcc), arch, partial)
-    log.info("building the CUDA peer: %s", " ".join(command))
+    command = build_command(find_nvcc(nvcc), arch, partial, sources)
+    log.info("building %s: %s", library, " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise StartupError(f"nvcc failed ({done.returncode}):\n{done.stderr.strip()}")

@@ -6,23 +6,33 @@ sequence's stop conditions (the ring protocol's rules, docs/protocol.md
 section 9: an EOS or stop id ends the sequence and is not emitted, unless
 ``ignore_eos`` makes EOS an ordinary token; ``max_tokens`` and the context
 end it with ``length``).
+
+With ``publish_to`` the engine also feeds the GPU's record writer
+(``dpu_frontend.model.publish``): each step's tokens go from the sampler to
+the ring on the GPU, judged there by the same rules; the host's own
+judgement only retires sequences. A sequence samples only while its
+channel's ring has room for its record.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.events import EngineStats, TokenEvent
 from dpu_frontend.model.options import EngineOptions
-from dpu_frontend.model.scheduler import Scheduler, Sequence
+from dpu_frontend.model.scheduler import Batch, Scheduler, Sequence
 from dpu_frontend.ring.records import FinishReason, SamplingParams
 
 if TYPE_CHECKING:  # torch: the engine's logic runs (and is tested) without it
+    from dpu_frontend.model.publish import RingRecords, Target
     from dpu_frontend.model.runner import ModelRunner
     from dpu_frontend.model.sampler import Drawn
 
@@ -61,8 +71,17 @@ class ModelEngine:
         self._seqs: dict[int, Sequence] = {}
         self._inflight: _Launched | None = None
         self.stats = EngineStats()
+        self.records: RingRecords | None = None
+        self._targets: dict[int, Target] = {}
 
-    def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
+    def publish_to(self, records: RingRecords) -> None:
+        """From now on the GPU writes each step's records (``RingRecords``)."""
+        self.records = records
+
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
+            target: Target | None = None) -> None:
+        """``target``: where the GPU publishes the sequence's records (with
+        ``publish_to``)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already running")
         if any(not 0 <= t < self.config.vocab_size for t in prompt):
@@ -70,21 +89,32 @@ class ModelEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._seqs[seq_id] = self.scheduler.add(seq_id, len(prompt), params, seed)
         self._prompts[seq_id] = prompt
+        if target is not None:
+            self._targets[seq_id] = target
 
-    def cancel(self, seq_id: int) -> None:
+    def cancel(self, seq_id: int, *, final: bool = True) -> None:
+        """Stop a sequence. With a target, the GPU ends its request with a
+        ``cancelled`` record, unless ``final`` is False (its channel is being reset)
+        or its own last record came first."""
         seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self._prompts.pop(seq_id, None)
-            self.scheduler.finish(seq)
+        target = self._targets.pop(seq_id, None)
+        if seq is None:
+            return
+        self._prompts.pop(seq_id, None)
+        if final and target is not None and self.records is not None:
+            self.records.final(seq.slot, target, FinishReason.CANCELLED)
+        self.scheduler.finish(seq)
 
     @property
     def idle(self) -> bool:
-        """Nothing to schedule, and no batch on its way holds a live sequence (one
-        whose every sequence was cancelled or stopped is landed by the next step,
-        whenever that comes, and gives nothing)."""
+        """Nothing to schedule, no record operation waiting for a launch, and no
+        batch on its way holds a live sequence (one whose every sequence was
+        cancelled or stopped is landed by the next step, whenever that comes, and
+        gives nothing)."""
         inflight = self._inflight
-        return self.scheduler.idle and (inflight is None or not any(
-            self._seqs.get(seq.seq_id) is seq for seq in inflight.sampled))
+        return (self.scheduler.idle and (self.records is None or not self.records.pending)
+                and (inflight is None or not any(
+                    self._seqs.get(seq.seq_id) is seq for seq in inflight.sampled)))
 
     def step(self) -> list[TokenEvent]:
         """Launch the next batch; return the events of a batch that ran.
@@ -113,16 +143,21 @@ class ModelEngine:
             self.stats.launch_s += time.perf_counter() - began
 
     def _schedule_and_run(self) -> _Launched | None:
-        batch = self.scheduler.schedule()
+        records = self.records
+        batch = self.scheduler.schedule(self._room() if records is not None else None)
         for seq in batch.admitted:
             self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
         sampled = [w.seq for w in batch.works if w.sample]
         wanted = [self._top_logprobs(seq) for seq in sampled]
-        drawn = self.runner.step(batch, max(wanted, default=-1))
+        publish = self._publisher(batch, sampled) if records is not None else None
+        drawn = self.runner.step(batch, max(wanted, default=-1), publish)
+        if records is not None and drawn is None:
+            records.flush()  # this step drew nothing: its operations go alone
         self.scheduler.commit(batch)
         if batch.works:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.tokens
+            self.stats.context_tokens += sum(w.start + w.count for w in batch.works)
         if drawn is None:
             return None
         totals = [seq.total for seq in sampled]  # with this step's token
@@ -158,9 +193,54 @@ class ModelEngine:
                                      logprob, top))
             if finish is not FinishReason.NONE:
                 self._seqs.pop(seq.seq_id, None)
+                self._targets.pop(seq.seq_id, None)
                 self.scheduler.finish(seq)
         self.stats.judge_s += time.perf_counter() - arrived
         return events
+
+    def _room(self) -> Callable[[Sequence], bool]:
+        """The scheduler's test before a sequence samples: its channel's ring has a
+        free slot for the record, counting what this step already gave out."""
+        assert self.records is not None
+        records, targets = self.records, self._targets
+        left = records.room()
+        held: set[int] = set()
+
+        def room(seq: Sequence) -> bool:
+            target = targets.get(seq.seq_id)
+            if target is None:
+                return True
+            c = target.channel
+            if left[c] <= 0:
+                if c not in held:
+                    held.add(c)
+                    records.held(c)
+                return False
+            left[c] -= 1
+            return True
+
+        return room
+
+    def _publisher(self, batch: Batch, sampled: list[Sequence]) -> Callable[[Drawn], None]:
+        """Arm the admitted sequences' slots; return what the runner calls with the
+        step's tokens on the GPU: the writer's launch, rows in the sampler's order."""
+        records, targets = self.records, self._targets
+        assert records is not None
+        for seq in batch.admitted:
+            target = targets.get(seq.seq_id)
+            if target is not None:
+                asked = seq.params.logprobs is not None
+                records.arm(seq.slot, target, seq.limit, seq.params,
+                            self._top_logprobs(seq) if asked else -1)
+        # Each row's slot and the sequence's tokens with this step's (an untargeted
+        # sequence's row goes to the sampler but no record: slot -1 is skipped).
+        rows = np.array([(seq.slot if seq.seq_id in targets else -1, seq.total + 1)
+                         for seq in sampled], np.int64).reshape(-1, 2)
+
+        def publish(drawn: Drawn) -> None:
+            records.launch(rows, drawn)
+
+        return publish
 
     def _top_logprobs(self, seq: Sequence) -> int:
         """Alternatives ``seq`` gets with its log probabilities; -1: none. The request's

@@ -4,9 +4,12 @@ model peer's sources and their CI tests use it without a GPU)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dpu_frontend.ring.records import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from dpu_frontend.model.publish import RingRecords, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,9 @@ class EngineStats:
     steps: int = 0  # steps that ran a batch
     tokens: int = 0  # tokens drawn (sampling works)
     scheduled_tokens: int = 0  # prompt and decode tokens through the model
+    #: KV positions the steps' attention read: each work's context with its own
+    #: tokens (with ``steps``, what a step's bandwidth bound is made of).
+    context_tokens: int = 0
     launch_s: float = 0.0  # host: schedule, the step's inputs, the launches
     wait_s: float = 0.0  # host waiting for a step's tokens to reach it
     gpu_s: float = 0.0  # the steps' GPU time (CUDA events around each step's work)
@@ -44,6 +50,8 @@ class StepEngine(Protocol):
     def idle(self) -> bool: ...
     @property
     def stats(self) -> EngineStats: ...
-    def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None: ...
-    def cancel(self, seq_id: int) -> None: ...
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
+            target: Target | None = None) -> None: ...
+    def cancel(self, seq_id: int, *, final: bool = True) -> None: ...
+    def publish_to(self, records: RingRecords) -> None: ...
     def step(self) -> list[TokenEvent]: ...

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
+RECORDS = ("gpu", "host")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,15 @@ class ModelPeerOptions:
     config: Path | None
     runner: RunnerOptions
     engine: EngineOptions
+    #: Who writes the response records: "gpu", the record writer kernel behind each
+    #: step (dpu_frontend/model/publish.py); "host", the peer's Python loop.
+    records: str = "gpu"
+    #: A prebuilt libdpuf_records.so; None: built with nvcc on first use.
+    records_library: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.records not in RECORDS:
+            raise ValueError(f"records {self.records!r} is not one of {', '.join(RECORDS)}")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +109,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add("--overlap", action=argparse.BooleanOptionalAction, default=e.overlap,
         help="launch the next step while the GPU runs this one (default: %(default)s; "
              "see docs/gpu.md)")
+    add("--records", choices=RECORDS, default="gpu",
+        help="who writes the response records: a GPU kernel behind each step (default), or "
+             "the host's loop (the baseline)")
+    add("--records-library", type=Path, default=None, metavar="SO",
+        help="a prebuilt libdpuf_records.so (default: built with nvcc on first use)")
 
 
 def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
@@ -111,4 +126,5 @@ def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
     )
     return ModelPeerOptions(args.model_config, runner,
                             EngineOptions(max_batched_tokens=args.max_batched_tokens,
-                                          overlap=args.overlap))
+                                          overlap=args.overlap),
+                            records=args.records, records_library=args.records_library)

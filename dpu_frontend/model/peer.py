@@ -1,10 +1,13 @@
-"""``dpu-frontend model-peer``: the model engine behind the ring, host-driven.
+"""``dpu-frontend model-peer``: the model engine behind the ring, host-scheduled.
 
 The host process loads the model on the GPU, then serves the ring protocol
 with the host-driven kernel loop (``dpu_frontend.peer.reference``): each tick
-it takes the committed request records of every channel, runs one engine
-step over all their sequences, and publishes one record per sequence that
-produced tokens. The daemon in front of it is unchanged.
+it takes the committed request records of every channel and runs one engine
+step over all their sequences. The step's records, one per sequence that
+drew a token, are written by the GPU (``--records gpu``, the default: the
+record writer kernel behind the sampler, ``dpu_frontend.model.publish``) or
+by this loop (``--records host``, the baseline). The daemon in front of it
+is unchanged.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.model.options import ModelPeerOptions
+from dpu_frontend.model.publish import CudaRecordBackend, RingRecords
 from dpu_frontend.model.runner import ModelRunner
-from dpu_frontend.model.source import EngineHub, ModelSource
+from dpu_frontend.model.source import EngineHub, ModelSource, RecordsFactory, RingSource
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel, SequenceSource
 from dpu_frontend.peer.server import PeerServer, serve_peer
+from dpu_frontend.ring import Layout
+from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
 
@@ -46,16 +52,46 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     runner = ModelRunner(config, replace(options.runner,
                                          vocab_limit=vocab.tokenizer.get_vocab_size()))
     runner.load()  # weights, KV cache, graphs: before the ready line
-    hub = EngineHub(ModelEngine(config, runner, options.engine))
+    engine = ModelEngine(config, runner, options.engine)
+    gpu_records = options.records == "gpu"
+    hub = EngineHub(engine, records_factory(options, engine) if gpu_records else None)
     eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
 
     def source(channel: int, space: RecordSpace) -> SequenceSource:
-        return ModelSource(hub, space)
+        return RingSource(hub, channel) if gpu_records else ModelSource(hub, space)
 
     kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step,
-                             stats=hub.stats)
+                             stats=hub.stats, opened=hub.opened, closing=hub.closed)
     model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
                              "peer": f"dpu-frontend-model-peer {__version__}"}
-    log.info("model peer: %d layers, hidden %d, %s, weights %s", config.num_layers,
-             config.hidden_size, options.runner.dtype, options.runner.weights or "random")
+    log.info("model peer: %d layers, hidden %d, %s, weights %s, records written by the %s",
+             config.num_layers, config.hidden_size, options.runner.dtype,
+             options.runner.weights or "random", options.records)
     return await serve_peer(PeerServer(peer, kernel, model))
+
+
+def records_factory(options: ModelPeerOptions, engine: ModelEngine) -> RecordsFactory:
+    """The GPU's record writer on the peer's region, built now (nvcc) unless
+    prebuilt, so that a missing toolkit fails before the ready line."""
+    import torch
+
+    from dpu_frontend.gpu.runtime import (
+        RECORDS_LIBRARY,
+        RECORDS_SOURCES,
+        build,
+        default_build_dir,
+    )
+
+    device = options.runner.device
+    major, minor = torch.cuda.get_device_capability(device)
+    library = options.records_library or build(
+        default_build_dir(), arch=f"sm_{major}{minor}", sources=RECORDS_SOURCES,
+        library=RECORDS_LIBRARY)
+    slots = engine.runner.options.max_seqs
+
+    def make(memory: AtomicMemory, layout: Layout) -> RingRecords:
+        backend = CudaRecordBackend(library, layout, memory, slots, tuple(sorted(engine.eos)),
+                                    device)
+        return RingRecords(backend, layout, memory, slots)
+
+    return make

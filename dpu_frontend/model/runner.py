@@ -11,6 +11,7 @@ slots, block tables.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import fields
 
 import numpy as np
@@ -91,13 +92,17 @@ class ModelRunner:
         self.tokens[seq.slot, :len(prompt)] = ids
         self.counts[seq.slot].zero_()
         self.in_prompt[seq.slot].zero_()
-        self.in_prompt[seq.slot, ids] = True
+        # index_fill_, not ``[slot, ids] = True``: that indexed store made its value a
+        # tensor with a copy that waited for the stream (an overlapped step's whole graph).
+        self.in_prompt[seq.slot].index_fill_(0, ids, True)
         self.slot_params.set(seq.slot, seq.params, seq.seed)
 
-    def step(self, batch: Batch, top_logprobs: int = -1) -> Drawn | None:
+    def step(self, batch: Batch, top_logprobs: int = -1,
+             publish: Callable[[Drawn], None] | None = None) -> Drawn | None:
         """Run ``batch``; the drawn tokens of its sampling works, in work order.
         ``top_logprobs`` >= 0 also computes log probabilities (and that many
-        alternatives)."""
+        alternatives). ``publish`` queues work behind the sampler that reads the
+        tokens on the GPU (the record writer), before their copy home."""
         if not batch.works:
             return None
         samplers = [w.seq for w in batch.works if w.sample]
@@ -133,6 +138,8 @@ class ModelRunner:
         self.counts[slots, tokens] += 1
         drawn = (Drawn(tokens, None, None, None) if top_logprobs < 0
                  else Sampler.logprobs(logits, tokens, top_logprobs))
+        if publish is not None:
+            publish(drawn)
         drawn.send_home(start)
         return drawn
 

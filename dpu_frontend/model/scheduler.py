@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dpu_frontend.model.blocks import BlockPool, BlockTable
@@ -106,13 +107,18 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> Batch:
+    def schedule(self, room: Callable[[Sequence], bool] | None = None) -> Batch:
+        """The next step's batch. ``room``, asked before a sequence samples (a decode,
+        or the chunk that ends its prompt): False holds the sequence out of this step
+        (the ring its records go to is full; it keeps its slot and blocks)."""
         batch = Batch()
         budget = self.max_batched_tokens
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING or seq.total - seq.computed != 1:
+                continue
+            if room is not None and not room(seq):
                 continue
             while not seq.table.reserve(seq.computed + 1):
                 victim = self.running[-1]
@@ -126,30 +132,44 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.total - seq.computed > 1:
-                budget -= self._chunk(seq, budget, batch)
+                budget -= self._chunk(seq, budget, batch, room)
+        held: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.slot < 0 and not self._free_slots:
                 break
             if self.pool.free < self.pool.blocks_for(seq.total) - len(seq.table.blocks):
                 break
+            if room is not None and self._samples(seq, budget) and not room(seq):
+                held.append(self.waiting.popleft())  # its ring is full: the next one may go
+                continue
             self.waiting.popleft()
             if seq.slot < 0:
                 seq.slot = self._free_slots.pop()
                 batch.admitted.append(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            budget -= self._chunk(seq, budget, batch)
+            budget -= self._chunk(seq, budget, batch, None)
+        self.waiting.extendleft(reversed(held))  # in their order, ahead of the rest
         return batch
 
-    def _chunk(self, seq: Sequence, budget: int, batch: Batch) -> int:
-        """Up to ``budget`` of a prefill, as far as blocks allow; tokens taken."""
+    def _samples(self, seq: Sequence, budget: int) -> bool:
+        """Would ``seq``'s next chunk end its prompt (and draw a token)?"""
+        return seq.total - seq.computed <= budget
+
+    def _chunk(self, seq: Sequence, budget: int, batch: Batch,
+               room: Callable[[Sequence], bool] | None) -> int:
+        """Up to ``budget`` of a prefill, as far as blocks allow; tokens taken. A chunk
+        that would end the prompt is held when ``room`` says so."""
         count = min(seq.total - seq.computed, budget)
         fits = seq.table.capacity + self.pool.free * self.pool.block_size - seq.computed
         count = min(count, fits)
-        if count <= 0 or not seq.table.reserve(seq.computed + count):
+        sample = seq.computed + count == seq.total
+        if count <= 0 or (sample and room is not None and not room(seq)):
             return 0
-        batch.works.append(Work(seq, seq.computed, count, seq.computed + count == seq.total))
+        if not seq.table.reserve(seq.computed + count):
+            return 0
+        batch.works.append(Work(seq, seq.computed, count, sample))
         return count
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:

@@ -6,7 +6,13 @@ sequences of every channel and hands each token to its channel. The peer's
 loop (``dpu_frontend.peer.reference``) takes the records from the sources and
 publishes them as it publishes the reference generators' records. This is the
 host-driven path: the host reads the request ring and writes the response
-ring (the CPU-free path moves both into the CUDA peer's kernel).
+ring.
+
+``RingSource`` is the same with the records written by the GPU
+(``dpu_frontend.model.publish``): the host still reads the request ring and
+schedules, but a token goes from the sampler to the response ring without
+the host (the peer's ``--records gpu``, its default). Its channel's loop
+publishes nothing; the engine's events only retire the request.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpu_frontend.model.events import StepEngine, TokenEvent
+from dpu_frontend.model.publish import RingRecords, Target
 from dpu_frontend.peer.generator import ActiveSequences, GeneratorStats
 from dpu_frontend.peer.reference import RecordSpace
-from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, TokenLogprobs
+from dpu_frontend.ring import FinishReason, GenerateRecord, Layout, ResponseRecord, TokenLogprobs
+from dpu_frontend.ring.memory import AtomicMemory
 
 log = logging.getLogger("dpu_frontend.model")
 
@@ -35,12 +44,20 @@ class _Pending:
     finish: FinishReason = FinishReason.NONE
 
 
-class EngineHub:
-    """One engine for every channel: sequence ids are the hub's, not the DPU's."""
+#: Makes the GPU's record writer once the region exists (``--records gpu``).
+RecordsFactory = Callable[[AtomicMemory, Layout], RingRecords]
 
-    def __init__(self, engine: StepEngine) -> None:
+
+class EngineHub:
+    """One engine for every channel: sequence ids are the hub's, not the DPU's.
+    With ``records`` the GPU writes the response records (``RingSource``): the hub
+    makes the writer when the peer opens its region (``opened``)."""
+
+    def __init__(self, engine: StepEngine, records: RecordsFactory | None = None) -> None:
         self.engine = engine
-        self._owner: dict[int, tuple[ModelSource, int]] = {}
+        self._records_factory = records
+        self.records: RingRecords | None = None
+        self._owner: dict[int, tuple[ModelSource | RingSource, int]] = {}
         self._next_id = 0
         #: Wall time inside the engine's steps, and between two steps of a busy engine
         #: (the loop's share: the records in and out, the hand-offs to the thread).
@@ -48,17 +65,29 @@ class EngineHub:
         self.loop_s = 0.0
         self._ended: float | None = None  # when the last step of a busy run ended
 
-    def add(self, source: ModelSource, request_id: int, prompt: tuple[int, ...],
-            record: GenerateRecord) -> int:
+    def opened(self, memory: AtomicMemory, layout: Layout) -> None:
+        """The peer's region exists: make the record writer on it."""
+        if self._records_factory is not None:
+            self.records = self._records_factory(memory, layout)
+            self.engine.publish_to(self.records)
+
+    def closed(self) -> None:
+        """Before the region goes: every launch done, the writer released."""
+        if self.records is not None:
+            self.records.close()
+            self.records = None
+
+    def add(self, source: ModelSource | RingSource, request_id: int, prompt: tuple[int, ...],
+            record: GenerateRecord, target: Target | None = None) -> int:
         seq_id = self._next_id
         self._next_id += 1
-        self.engine.add(seq_id, list(prompt), record.params)
+        self.engine.add(seq_id, list(prompt), record.params, target)
         self._owner[seq_id] = (source, request_id)
         return seq_id
 
-    def cancel(self, seq_id: int) -> None:
+    def cancel(self, seq_id: int, *, final: bool = True) -> None:
         if self._owner.pop(seq_id, None) is not None:
-            self.engine.cancel(seq_id)
+            self.engine.cancel(seq_id, final=final)
 
     async def step(self) -> bool:
         """One engine step off the event loop (the control plane stays responsive);
@@ -167,3 +196,63 @@ class ModelSource(ActiveSequences[_Pending]):
             if len(out) >= budget:
                 break
         return out
+
+
+class RingSource(ActiveSequences[int]):
+    """A channel's sequences, whose records the GPU writes (``--records gpu``):
+    request id -> the hub's sequence id. Nothing is published from here."""
+
+    def __init__(self, hub: EngineHub, channel: int) -> None:
+        self.hub = hub
+        self.channel = channel
+        self.stats = GeneratorStats()
+        super().__init__()
+
+    @property
+    def records(self) -> RingRecords:
+        if self.hub.records is None:
+            raise RuntimeError("the record writer is not made before the region is open")
+        return self.hub.records
+
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
+        self.stats.admitted += 1
+        target = Target(self.channel, record.request_id)
+        try:
+            self._active[record.request_id] = self.hub.add(self, record.request_id, prompt,
+                                                           record, target)
+        except ValueError as exc:  # a prompt the model cannot take: the request fails alone
+            log.warning("request %d refused by the engine: %s", record.request_id, exc)
+            self.records.final(-1, target, FinishReason.ERROR)
+
+    def receive(self, request_id: int, event: TokenEvent) -> None:
+        if event.finish is not FinishReason.NONE:
+            self._active.pop(request_id, None)
+
+    def cancel(self, request_id: int) -> ResponseRecord | None:
+        seq_id = self._active.pop(request_id, None)
+        if seq_id is not None:
+            self.hub.cancel(seq_id)  # the GPU ends it with a cancelled record
+            self.stats.cancelled_ids.append(request_id)
+        return None
+
+    def drop_all(self) -> None:
+        """The channel is being reset: its sequences end without records, and every
+        launch is done before the host zeroes the ring."""
+        for seq_id in self._active.values():
+            self.hub.cancel(seq_id, final=False)
+        self._active.clear()
+        self.records.drain()
+
+    def reset(self, epoch: int) -> None:
+        """The ring restarted at ``epoch`` (ATTACH) or stays at it (DETACH)."""
+        self.records.reset(self.channel, epoch)
+
+    def step(self, now: float, budget: int) -> list[ResponseRecord]:
+        return []
+
+    def counters(self) -> dict[str, int]:
+        """The mailbox's counters that the GPU keeps."""
+        tally = self.records.tally(self.channel)
+        return {"completed": tally.completed, "cancelled": tally.cancelled,
+                "tokens": tally.tokens, "published": tally.published,
+                "ring_full_waits": self.records.ring_full_waits[self.channel]}

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.peer.generator import GeneratorStats, TokenGenerator
@@ -62,6 +62,16 @@ class SequenceSource(Protocol):
     def step(self, now: float, budget: int) -> list[ResponseRecord]: ...
 
 
+@runtime_checkable
+class PublishingSource(Protocol):
+    """A source whose records something else writes (the model's GPU record writer):
+    the loop publishes nothing for it, tells it when its ring restarts, and takes
+    the publishing counters from it."""
+
+    def reset(self, epoch: int) -> None: ...
+    def counters(self) -> dict[str, int]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RecordSpace:
     """Tokens a source puts in one record of a channel: plain ids, and tokens with
@@ -91,18 +101,24 @@ class ReferenceKernel(PeerKernel):
     stepped (the model engine's batch step), and says whether it did work: the
     next tick then follows at once instead of after ``tick_s`` (a busy engine's
     steps run back to back; an idle one is polled every tick). ``stats``: the
-    counters of what runs between the steps (``kernel_stats``)."""
+    counters of what runs between the steps (``kernel_stats``). ``opened`` is told
+    of the region once it exists (before the sources are made), ``closing`` before
+    it goes."""
 
     def __init__(self, config: PeerConfig, corpus: list[list[int]],
                  eos_token_ids: tuple[int, ...], *, sources: SourceFactory | None = None,
                  between_steps: Callable[[], Awaitable[bool]] | None = None,
-                 stats: Callable[[], dict[str, Any]] | None = None) -> None:
+                 stats: Callable[[], dict[str, Any]] | None = None,
+                 opened: Callable[[AtomicMemory, Layout], None] | None = None,
+                 closing: Callable[[], None] | None = None) -> None:
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
         self._sources = sources or self._generator
         self._between_steps = between_steps
         self._stats = stats
+        self._opened = opened
+        self._closing = closing
         self._map: mmap.mmap | None = None
         self._region: AtomicMemory | None = None
         self._mailbox: AtomicMemory | None = None
@@ -121,6 +137,8 @@ class ReferenceKernel(PeerKernel):
         region = self._region = AtomicMemory(self._map)
         region.write(0, layout.encode())
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
+        if self._opened is not None:
+            self._opened(region, layout)
         for i, ch in enumerate(layout.channels):
             per_step = cfg.tokens_per_step or ch.tokens_per_response
             space = RecordSpace(
@@ -196,10 +214,14 @@ class ReferenceKernel(PeerKernel):
                 channel.generator.drop_all()
                 channel.outbox = []
                 channel.ring.reset(epoch)
+                if isinstance(channel.generator, PublishingSource):
+                    channel.generator.reset(epoch)
                 channel.attached = True
         elif what == Command.DETACH:
             channel.generator.drop_all()
             channel.outbox = []
+            if isinstance(channel.generator, PublishingSource):
+                channel.generator.reset(channel.ring.epoch)
             channel.attached = False
         else:
             error = MailboxError.BAD_COMMAND
@@ -228,6 +250,8 @@ class ReferenceKernel(PeerKernel):
 
     def _publish(self, channel: _Channel, now: float) -> None:
         ring, generator, outbox = channel.ring, channel.generator, channel.outbox
+        if isinstance(generator, PublishingSource):
+            return  # its records are written elsewhere
         # Generate only what the response ring can take soon: the outbox is bounded.
         budget = max(0, ring.layout.resp_slots - len(outbox))
         outbox += generator.step(now, budget)
@@ -236,10 +260,13 @@ class ReferenceKernel(PeerKernel):
     @staticmethod
     def _counters(channel: _Channel) -> dict[str, int]:
         ring, stats = channel.ring.counters, channel.generator.stats
-        return {"records": ring.records, "admitted": stats.admitted,
-                "completed": stats.completed, "cancelled": stats.cancelled,
-                "bad_records": ring.bad_records, "tokens": stats.tokens,
-                "published": ring.published, "ring_full_waits": ring.ring_full_waits}
+        counters = {"records": ring.records, "admitted": stats.admitted,
+                    "completed": stats.completed, "cancelled": stats.cancelled,
+                    "bad_records": ring.bad_records, "tokens": stats.tokens,
+                    "published": ring.published, "ring_full_waits": ring.ring_full_waits}
+        if isinstance(channel.generator, PublishingSource):
+            counters |= channel.generator.counters()
+        return counters
 
     def kernel_stats(self) -> dict[str, Any]:
         return self._stats() if self._stats is not None else {}
@@ -256,6 +283,8 @@ class ReferenceKernel(PeerKernel):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._heart = None
+        if self._closing is not None and self._region is not None:
+            self._closing()
         self._channels.clear()
         for memory in (self._region, self._mailbox):
             if memory is not None:

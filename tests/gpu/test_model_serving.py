@@ -1,9 +1,11 @@
-"""The model engine behind the daemon: ``model-peer`` (host-driven) on the GPU, the
-daemon over the shm transport, the official openai SDK in front (docs/gpu.md)."""
+"""The model engine behind the daemon: ``model-peer`` (host-scheduled) on the GPU, its
+records written by the GPU or by the host, the daemon over the shm transport, the
+official openai SDK in front (docs/gpu.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -27,10 +29,12 @@ MODEL_ARGS = ("--max-seqs", "64", "--max-model-len", "2048", "--kv-blocks", "512
 PROMPT = "The ring buffer in GPU memory"
 
 
-@pytest.fixture(scope="module")
-def model_stack() -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["gpu", "host"])
+def model_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """The peer with each writer of the response records: the GPU's record writer
+    (the default) and the host loop (the baseline); every test runs against both."""
     with running_stack("shm", timeout=600, peer_command="model-peer",
-                       peer_args=MODEL_ARGS) as stack:
+                       peer_args=(*MODEL_ARGS, "--records", request.param)) as stack:
         yield stack
 
 
@@ -127,3 +131,36 @@ def test_logprobs_through_the_daemon_are_the_engines(model_stack: Stack,
     assert content[0].top_logprobs[0].logprob >= content[0].logprob  # the most likely first
     print(f"log probabilities through the daemon = the engine's: {len(expected.tokens)} tokens "
           f"x 5 alternatives; first {expected.logprobs[0]:.4f}")
+
+
+def test_many_streams_and_disconnects_end_cleanly(model_stack: Stack) -> None:
+    """48 concurrent streams, 8 of them dropped by their client after two chunks: every
+    other one ends with its finish reason and its tokens, and the peer takes the next
+    request at once (the dropped ones were cancelled, nothing is stuck)."""
+    def one(i: int) -> tuple[str | None, int]:
+        with client(model_stack) as c:
+            stream = c.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=48,
+                                          temperature=1.0, seed=i, stream=True,
+                                          stream_options={"include_usage": True})
+            finish, tokens = None, 0
+            for n, chunk in enumerate(stream):
+                if i % 6 == 5 and n == 2:
+                    stream.close()  # the client goes away mid-stream
+                    return "dropped", 0
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return finish, tokens
+
+    with ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(one, range(48)))
+    dropped = [r for r in results if r[0] == "dropped"]
+    done = [r for r in results if r[0] != "dropped"]
+    assert len(dropped) == 8
+    assert all(finish in ("length", "stop") and tokens <= 48 for finish, tokens in done)
+    assert any(finish == "length" and tokens == 48 for finish, tokens in done)
+    with client(model_stack) as c:
+        after = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0)
+    assert after.choices[0].finish_reason in ("length", "stop")
+    print(f"48 concurrent streams, 8 dropped: {sum(t for _, t in done)} tokens delivered")

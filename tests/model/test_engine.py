@@ -5,6 +5,7 @@ nothing else), so results must not depend on how steps are batched or overlapped
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +53,8 @@ class FakeRunner:
     def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         self.slots[seq.slot] = seq.seq_id
 
-    def step(self, batch: Batch, top_logprobs: int = -1) -> FakeDrawn | None:
+    def step(self, batch: Batch, top_logprobs: int = -1,
+             publish: Callable[[FakeDrawn], None] | None = None) -> FakeDrawn | None:
         self.steps += 1
         for w in batch.works:
             assert w.start + w.count <= w.seq.limit, "a step past the sequence's limit"
@@ -63,12 +65,16 @@ class FakeRunner:
             return None
         tokens = np.array([draw(s) for s in sampled])
         if top_logprobs < 0:
-            return FakeDrawn(tokens, None, None, None)
-        lp = -np.array([(t % 5) / 4 for t in tokens], dtype=np.float64)
-        if top_logprobs == 0:
-            return FakeDrawn(tokens, lp, None, None)
-        top = np.stack([tokens + j for j in range(top_logprobs)], axis=1)
-        return FakeDrawn(tokens, lp, top, np.repeat(lp[:, None], top_logprobs, axis=1))
+            drawn = FakeDrawn(tokens, None, None, None)
+        else:
+            lp = -np.array([(t % 5) / 4 for t in tokens], dtype=np.float32)
+            top = (np.stack([tokens + j for j in range(top_logprobs)], axis=1)
+                   if top_logprobs else None)
+            drawn = FakeDrawn(tokens, lp, top, None if top is None
+                              else np.repeat(lp[:, None], top_logprobs, axis=1))
+        if publish is not None:
+            publish(drawn)
+        return drawn
 
 
 def engine(overlap: bool, *, num_blocks: int = 64, max_seqs: int = 8,

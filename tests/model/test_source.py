@@ -11,6 +11,7 @@ import pytest
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.model.events import EngineStats, TokenEvent
 from dpu_frontend.model.options import add_model_arguments, model_peer_options
+from dpu_frontend.model.publish import RingRecords, Target
 from dpu_frontend.model.source import EngineHub, ModelSource
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
@@ -29,15 +30,19 @@ class ScriptedEngine:
     def idle(self) -> bool:
         return not self.running
 
-    def add(self, seq_id: int, prompt: list[int], params: SamplingParams) -> None:
+    def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
+            target: Target | None = None) -> None:
         if prompt[0] < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
         tokens, finish = self.scripts[prompt[0]]
         self.running[seq_id] = (list(tokens), finish)
 
-    def cancel(self, seq_id: int) -> None:
+    def cancel(self, seq_id: int, *, final: bool = True) -> None:
         self.running.pop(seq_id, None)
         self.cancelled.append(seq_id)
+
+    def publish_to(self, records: RingRecords) -> None:
+        raise AssertionError("the host publishes these sources' records")
 
     def step(self) -> list[TokenEvent]:
         events = []

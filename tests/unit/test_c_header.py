@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from dpu_frontend.gpu.runtime import DeviceInfo, PeerParams, source_dir
+from dpu_frontend.model import publish as publish_mod
+from dpu_frontend.model.publish import WriterChannel, WriterParams
 from dpu_frontend.ring import (
     CancelRecord,
     FinishReason,
@@ -43,7 +45,8 @@ from dpu_frontend.ring.records import REQUEST_STRUCT, RESPONSE_STRUCT
 
 STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQUEST_STRUCT,
            RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, KERNEL_BLOCK, MAILBOX)
-CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo}
+CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo,
+                  "dpuf_writer_params": WriterParams, "dpuf_writer_channel": WriterChannel}
 CONSTANTS = {
     "DPUF_VERSION_MAJOR": layout_mod.VERSION_MAJOR, "DPUF_VERSION_MINOR": layout_mod.VERSION_MINOR,
     "DPUF_ALIGN": layout_mod.ALIGN, "DPUF_HEADER_SIZE": layout_mod.HEADER_SIZE,
@@ -63,6 +66,15 @@ CONSTANTS = {
     "DPUF_MIN_LOGPROBS_SLOT_SIZE": layout_mod.MIN_LOGPROBS_SLOT_SIZE,
     **{f"DPUF_FINISH_{r.name}": int(r) for r in FinishReason},
     "DPUF_MAILBOX_SIZE": MAILBOX.size, "DPUF_KERNEL_BLOCK_SIZE": KERNEL_BLOCK.size,
+    # the model's record writer (record_writer.h, dpu_frontend/model/publish.py)
+    "DPUF_WRITER_RESET_WORDS": publish_mod.RESET_WORDS,
+    "DPUF_WRITER_FINAL_WORDS": publish_mod.FINAL_WORDS,
+    "DPUF_WRITER_ARM_WORDS": publish_mod.ARM_WORDS, "DPUF_WRITER_ROW_WORDS": publish_mod.ROW_WORDS,
+    "DPUF_WRITER_IGNORE_EOS": publish_mod.IGNORE_EOS, "DPUF_WRITER_LOGPROBS": publish_mod.LOGPROBS,
+    "DPUF_WRITER_MAX_CHANNELS": publish_mod.MAX_CHANNELS,
+    "DPUF_WRITER_MAX_EOS": publish_mod.MAX_EOS,
+    **{f"DPUF_WRITER_{name}": code for code, name in (
+        (1, "RING_FULL"), (2, "NO_LOGPROBS"), (3, "BAD_SLOT"))},
 }
 
 #: The golden records: what the C program fills, field by field, and what the
@@ -114,6 +126,7 @@ def _compiler() -> str:
 
 def _program() -> str:
     lines = ['#include <stdio.h>', '#include <string.h>', '#include "peer_kernel.h"',
+             '#include "record_writer.h"',
              'static int first = 1;',
              'static void key(const char *k) { printf("%s\\"%s\\": ", first ? "" : ", ", k); '
              'first = 0; }',
@@ -211,5 +224,6 @@ def test_the_layout_record_matches_the_c_structs() -> None:
 
 
 def test_the_headers_are_package_data() -> None:
-    for name in ("ring_protocol.h", "peer_kernel.h", "peer_kernel.cu"):
+    for name in ("ring_protocol.h", "peer_kernel.h", "peer_kernel.cu", "record_writer.h",
+                 "record_writer.cu"):
         assert (Path(source_dir()) / name).is_file()
