@@ -80,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--shapes", nargs="+", choices=list(shapes(ModelConfig.default())),
+                        help="only these linears (default: all)")
+    parser.add_argument("--candidates", nargs="+", metavar="BMxBNxBKxWxS",
+                        help="these tiles instead of the built-in list (each shape's current "
+                             "tile is always timed too)")
     args = parser.parse_args(argv)
+    candidates = ([tuple(int(v) for v in c.split("x")) for c in args.candidates]
+                  if args.candidates else CANDIDATES)
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     gen = torch.Generator(device=device).manual_seed(1)
@@ -88,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, float] = {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write of a device copy)")
     for name, (n, k, out_dtype) in shapes(ModelConfig.default()).items():
+        if args.shapes and name not in args.shapes:
+            continue
         w = torch.randn((n, k), generator=gen, device=device).to(torch.bfloat16)
         bound_us = n * k * 2 / bandwidth * 1e6
         rows: dict[str, dict[str, float | bool]] = {}
-        for tile in CANDIDATES:
+        current = kernels.linear_tile(n, k, torch.bfloat16)
+        for tile in dict.fromkeys([current, *candidates]):
             key = "x".join(map(str, tile))
             rows[key] = {}
             for m in args.batch:

@@ -61,12 +61,26 @@ def engine_counters(address: PeerAddress) -> dict[str, float]:
     return kernel
 
 
-def engine_figures(name: str, before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
+def own_bound_tokens_per_s(steps: float, context_tokens: float, tokens: float,
+                           bandwidth: float) -> float:
+    """Output tokens/s the copy bandwidth allows for the steps this run actually took:
+    every weight once a step, and the K and V of every position each step attended
+    (the engine's ``context_tokens``), at their batch sizes, tail and ramp included."""
+    config = ModelConfig.default()
+    seconds = (steps * config.parameter_count() * 2
+               + context_tokens * config.kv_bytes_per_token(2)) / bandwidth
+    return tokens / seconds if seconds else 0.0
+
+
+def engine_figures(name: str, before: dict[str, float], after: dict[str, float],
+                   output_tokens_per_s: float, bandwidth: float) -> dict[str, object]:
     """Where the peer's time went during a run, per engine step: the engine's host work
     (launch: schedule, inputs, graph replay; judge: stop rules), its wait for the GPU's
-    tokens, and the loop between two steps (the records in and out)."""
+    tokens, and the loop between two steps (the records in and out). Beside the output
+    rate, the bound of the run's own steps."""
     d = {k: after[k] - before[k] for k in after}
     steps = d["steps"] or 1
+    own = own_bound_tokens_per_s(d["steps"], d["context_tokens"], d["tokens"], bandwidth)
     per = {k: round(d[k] / steps * 1e3, 2)
            for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s", "gpu_s")}
     return {
@@ -76,6 +90,9 @@ def engine_figures(name: str, before: dict[str, float], after: dict[str, float])
             f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + {per['judge_s']}) / "
             f"{per['loop_s']}",
         f"{name}: per step, ms: GPU time": per["gpu_s"],
+        f"{name}: bound of the run's own steps (weights + KV read each step), output tokens/s":
+            f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} of it)" if own
+            else "-",
     }
 
 
@@ -152,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                            seed=rng.randrange(1 << 30))
             tokens = sum(r.tokens for r in done.results)
             figures |= summary(done, name, full_batch=args.max_seqs if rate == float("inf") else 0)
-            figures |= engine_figures(name, engine0, engine_counters(stack.peer_address()))
+            figures |= engine_figures(name, engine0, engine_counters(stack.peer_address()),
+                                      tokens / done.elapsed, bandwidth)
             figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
                 (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)
             figures[f"{name}: daemon CPU, cores busy of {args.workers}"] = round(
