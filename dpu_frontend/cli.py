@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--tokens-per-s", type=float, default=defaults.tokens_per_s,
                       help="per-sequence generation rate, 0: as fast as the ring takes "
                            "(default %(default)s)")
+    peer.add_argument("--step-ms", type=float, default=defaults.step_s * 1e3, metavar="MS",
+                      help="GPU-like decode steps: every MS milliseconds each running sequence "
+                           "gets one token (a burst of one-token records); replaces "
+                           "--tokens-per-s; 0: off (default %(default)s)")
+    peer.add_argument("--batch", type=int, default=defaults.batch,
+                      help="with --step-ms: sequences a step decodes at most, over every "
+                           "channel; the rest wait for a slot (default %(default)s: no limit)")
     _pace(peer, "engine step period")
 
     gpu = sub.add_parser("gpu-peer", help="run the CUDA peer: the ring served by a persistent "
@@ -214,6 +221,7 @@ def peer_config(args: argparse.Namespace) -> PeerConfig:
                           logprobs=getattr(args, "logprobs", False)),
         mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", defaults.tokens_per_s),
         tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick_s", defaults.tick_s),
+        step_s=getattr(args, "step_ms", 0.0) / 1e3, batch=getattr(args, "batch", defaults.batch),
         heartbeat_s=getattr(args, "heartbeat_s", defaults.heartbeat_s),
         tokenizer=args.tokenizer, secret_file=args.secret_file,
     )

@@ -289,6 +289,11 @@ class PeerConfig:
     tokens_per_s: float = 50.0
     tokens_per_step: int = 0  # tokens per sequence per engine step; 0: a full record
     tick_s: float = 0.001
+    #: GPU-like decode steps (the reference peer): every ``step_s`` each running
+    #: sequence gets one token, at most ``batch`` run at once (0: no limit); 0: off,
+    #: the pace is ``tokens_per_s``.
+    step_s: float = 0.0
+    batch: int = 0
     #: The heartbeat's period: 20 beats within the daemon's default 1 s peer timeout.
     heartbeat_s: float = 0.05
     tokenizer: Path | None = None
@@ -308,3 +313,7 @@ class PeerConfig:
             raise ValueError("heartbeat_s must be in [0.001, 1]")
         if self.tokens_per_step < 0:
             raise ValueError("tokens_per_step must be >= 0 (0: a full record per step)")
+        if not 0 <= self.step_s <= 10:
+            raise ValueError("step_s must be in [0, 10] seconds (0: no GPU-like steps)")
+        if self.batch < 0 or (self.batch and not self.step_s):
+            raise ValueError("batch must be >= 0, and it needs GPU-like steps (step_s)")

@@ -12,7 +12,10 @@ record of at most ``tokens_per_step`` tokens (``logprob_tokens_per_step`` for a
 request that asked for log probabilities). Tokens come at ``tokens_per_s``
 per sequence (0: as fast as the ring takes them), never more than
 ``max_tokens``, and stop at EOS or a stop token id, which is not emitted.
-Pure: the caller passes ``now``.
+With ``StepBatch`` (the peer's ``--step-ms``/``--batch``) the pace is a GPU's
+decode instead: every step period each running sequence gets one token, a
+burst of one-token records, and at most ``batch`` sequences of all channels
+run at once while the rest wait for a slot. Pure: the caller passes ``now``.
 
 Both sources are deterministic: the distribution each token is drawn from is
 one-hot. Log probabilities say so: the token's is 0, and its only alternative
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -61,12 +65,68 @@ def default_corpus() -> list[str]:
     return [doc.strip() for doc in text.split(DOCUMENT_SEPARATOR) if doc.strip()]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Sequence:
     record: GenerateRecord
     source: Iterator[int]
     started: float
     emitted: int = 0
+    last_step: int = 0  # with a StepBatch: the last step that gave it a token
+
+
+class StepBatch:
+    """GPU-like decode steps shared by every channel of a peer: every ``period``
+    seconds each running sequence gets one token; at most ``batch`` sequences
+    (0: no limit) run at once, in admission order across channels, and the rest
+    wait for a slot, as on a GPU whose batch is full. A sequence's first token
+    comes at the step after it joined (its prefill runs in between)."""
+
+    def __init__(self, period: float, batch: int = 0) -> None:
+        if period <= 0 or batch < 0:
+            raise ValueError("a step period > 0 and a batch >= 0 (0: no limit)")
+        self.period = period
+        self.batch = batch
+        self._origin: float | None = None
+        self._current = 0
+        self._running: set[_Sequence] = set()
+        self._waiting: deque[_Sequence] = deque()
+
+    def step(self, now: float) -> int:
+        """The number of the step ``now`` falls in."""
+        if self._origin is None:
+            self._origin = now
+        self._current = max(self._current, int((now - self._origin) / self.period))
+        return self._current
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def join(self, seq: _Sequence, now: float) -> None:
+        seq.last_step = self.step(now)
+        if self.batch and len(self._running) >= self.batch:
+            self._waiting.append(seq)
+        else:
+            self._running.add(seq)
+
+    def runs(self, seq: _Sequence) -> bool:
+        return seq in self._running
+
+    def leave(self, seq: _Sequence) -> None:
+        """``seq`` ended: its slot goes to the longest waiting sequence, whose first
+        token comes at the next step."""
+        if seq in self._running:
+            self._running.remove(seq)
+            if self._waiting:
+                promoted = self._waiting.popleft()
+                promoted.last_step = self._current
+                self._running.add(promoted)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
 
 
 @dataclass(slots=True)
@@ -100,7 +160,7 @@ class ActiveSequences(Generic[S]):
 class TokenGenerator(ActiveSequences[_Sequence]):
     def __init__(self, *, mode: str, corpus_ids: Sequence[Sequence[int]], eos_token_ids:
                  Sequence[int], tokens_per_s: float, tokens_per_step: int,
-                 logprob_tokens_per_step: int = 0) -> None:
+                 logprob_tokens_per_step: int = 0, steps: StepBatch | None = None) -> None:
         if mode not in ("replay", "echo"):
             raise ValueError(f"mode must be replay or echo, got {mode!r}")
         if mode == "replay" and not any(corpus_ids):
@@ -117,13 +177,16 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         self.tokens_per_s = tokens_per_s
         self.per_step = tokens_per_step
         self.logprob_per_step = logprob_tokens_per_step
+        self.steps = steps
         super().__init__()
         self._turn = 0
         self.stats = GeneratorStats()
 
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
         source = self._source(prompt, record.params.seed)
-        self._active[record.request_id] = _Sequence(record, source, now)
+        seq = self._active[record.request_id] = _Sequence(record, source, now)
+        if self.steps is not None:
+            self.steps.join(seq, now)
         self.stats.admitted += 1
 
     def _source(self, prompt: tuple[int, ...], seed: int | None) -> Iterator[int]:
@@ -146,6 +209,8 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         seq = self._active.pop(request_id, None)
         if seq is None:
             return None
+        if self.steps is not None:
+            self.steps.leave(seq)
         self.stats.cancelled += 1
         self.stats.cancelled_ids.append(request_id)
         return ResponseRecord(request_id, (), FinishReason.CANCELLED)
@@ -153,6 +218,9 @@ class TokenGenerator(ActiveSequences[_Sequence]):
     def drop_all(self) -> None:
         """Forget every sequence without a record (a channel reset: nobody reads them);
         not counted as cancelled, as the kernel does not count them."""
+        if self.steps is not None:
+            for seq in self._active.values():
+                self.steps.leave(seq)
         self._active.clear()
 
     def step(self, now: float, budget: int) -> list[ResponseRecord]:
@@ -178,6 +246,8 @@ class TokenGenerator(ActiveSequences[_Sequence]):
                 produced += 1
                 if record.final:
                     del self._active[request_id]
+                    if self.steps is not None:
+                        self.steps.leave(seq)
                     self.stats.completed += 1
             if not produced:
                 break
@@ -187,7 +257,14 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         """One step of one sequence: up to ``tokens_per_step`` tokens, or its end."""
         params = seq.record.params
         limit = self.per_step if params.logprobs is None else self.logprob_per_step
-        if self.tokens_per_s:
+        if self.steps is not None:
+            # One token a step while it holds a slot; a step it missed is not made up.
+            step = self.steps.step(now)
+            if step <= seq.last_step or not self.steps.runs(seq):
+                return None
+            seq.last_step = step
+            limit = 1
+        elif self.tokens_per_s:
             due = int((now - seq.started) * self.tokens_per_s) + 1  # the first one at once
             limit = min(limit, due - seq.emitted)
             if limit <= 0:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dpu_frontend.config import PeerConfig
-from dpu_frontend.peer.generator import GeneratorStats, TokenGenerator
+from dpu_frontend.peer.generator import GeneratorStats, StepBatch, TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.ring import (
     CancelRecord,
@@ -117,6 +117,8 @@ class ReferenceKernel(PeerKernel):
         self._sources = sources or self._generator
         self._between_steps = between_steps
         self._stats = stats
+        #: GPU-like steps, one batch over every channel (``--step-ms``, ``--batch``).
+        self.steps = StepBatch(config.step_s, config.batch) if config.step_s else None
         self._opened = opened
         self._closing = closing
         self._map: mmap.mmap | None = None
@@ -154,7 +156,7 @@ class ReferenceKernel(PeerKernel):
         cfg = self.config
         return TokenGenerator(mode=cfg.mode, corpus_ids=self._corpus, eos_token_ids=self._eos,
                               tokens_per_s=cfg.tokens_per_s, tokens_per_step=space.tokens,
-                              logprob_tokens_per_step=space.logprob_tokens)
+                              logprob_tokens_per_step=space.logprob_tokens, steps=self.steps)
 
     @property
     def mailbox(self) -> AtomicMemory:

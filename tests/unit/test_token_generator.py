@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dpu_frontend.peer.generator import TokenGenerator
+import pytest
+
+from dpu_frontend.config import PeerConfig
+from dpu_frontend.peer.generator import StepBatch, TokenGenerator
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
 
 EOS = 99
@@ -146,3 +149,57 @@ def test_log_probabilities_are_one_hot_a_token_per_record() -> None:
     assert all(x.top == () for r in by_id[2] for x in r.logprobs or ())
     assert all(r.logprobs is None for r in by_id[3]) and max(len(r.tokens) for r in by_id[3]) == 4
     assert tokens(by_id[1]) == tokens(by_id[2]) == tokens(by_id[3])
+
+
+def stepped(steps: StepBatch) -> TokenGenerator:
+    return TokenGenerator(mode="echo", corpus_ids=[[1]], eos_token_ids=[EOS], tokens_per_s=50.0,
+                          tokens_per_step=4, steps=steps)
+
+
+def test_gpu_like_steps_give_each_running_sequence_one_token_a_step() -> None:
+    """``--step-ms``: a burst of one-token records every period (the per-sequence rate is
+    not used), the first token at the step after the request came."""
+    def step(now: float) -> list[ResponseRecord]:  # in request order (the loop rotates)
+        return sorted(e.step(now, 100), key=lambda r: r.request_id)
+
+    e = stepped(StepBatch(0.02))
+    admit(e, 1, (10, 11, 12, 13), max_tokens=3)
+    e.admit(GenerateRecord(2, 0, 2, SamplingParams(5)), (20, 21), 0.005)
+    assert step(0.0) == [] and step(0.019) == []  # step 0: the prefill
+    assert step(0.02) == [ResponseRecord(1, (10,)), ResponseRecord(2, (20,))]
+    assert step(0.039) == []  # nothing more within the step
+    assert step(0.045) == [ResponseRecord(1, (11,)), ResponseRecord(2, (21,))]
+    # A step the loop missed is not made up: one token, whatever the time since.
+    assert step(0.2) == [ResponseRecord(1, (12,), FinishReason.LENGTH),
+                         ResponseRecord(2, (), FinishReason.STOP)]
+
+
+def test_the_batch_is_shared_by_every_channel_and_the_rest_wait() -> None:
+    """``--batch 2`` over two channels: three sequences, two decode; when one ends, the
+    one that waited longest takes its slot and gets its first token a step later."""
+    steps = StepBatch(0.01, batch=2)
+    a, b = stepped(steps), stepped(steps)
+    admit(a, 1, (1, 2), max_tokens=2)
+    admit(b, 1, (5, 6, 7, 8), max_tokens=4)
+    admit(a, 2, (9, 9, 9), max_tokens=3)  # no slot: waits
+    assert (steps.running, steps.waiting) == (2, 1)
+    got: dict[int, list[tuple[object, tuple[int, ...]]]] = {}  # by step
+    for step in range(1, 5):
+        now = step * 0.01
+        got[step] = [(r.request_id, r.tokens) for r in a.step(now, 100)] + [
+            ("b", r.tokens) for r in b.step(now, 100)]
+    assert got[1] == [(1, (1,)), ("b", (5,))]
+    assert got[2] == [(1, (2,)), ("b", (6,))]  # request a1 ends here: a2 takes its slot
+    assert got[3] == [(2, (9,)), ("b", (7,))]
+    assert got[4] == [(2, (9,)), ("b", (8,))]
+    assert (steps.running, steps.waiting) == (1, 0)
+    a.cancel(2)
+    assert steps.running == 0
+
+
+def test_gpu_like_steps_are_peer_flags() -> None:
+    with pytest.raises(ValueError, match="needs GPU-like steps"):
+        PeerConfig(batch=8)
+    assert PeerConfig(step_s=0.02, batch=256).batch == 256
+    with pytest.raises(ValueError, match="step period"):
+        StepBatch(0.0)
