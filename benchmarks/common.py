@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +51,26 @@ def record(name: str, figures: dict[str, Any]) -> None:
     print(f"{name}:")
     for key, value in figures.items():
         print(f"  {key:<{width}}  {value}")
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, out: Path | None, *, idle: bool = True) -> Iterator[None]:
+    """With ``out``: ``py-spy`` samples the process (and its children) while the block
+    runs, into ``out`` as folded stacks: every thread, idle ones too (``idle``: so that a
+    wait on the GPU shows), or only where the CPU goes."""
+    if out is None:
+        yield
+        return
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--py-spy: no py-spy on PATH (pip install py-spy)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
+                             *(["--idle"] if idle else []), "--subprocesses", "--nonblocking",
+                             "--rate", "200", "--output", str(out)],
+                            stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        proc.wait(timeout=60)

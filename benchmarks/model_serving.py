@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
-import shutil
-import signal
 import statistics
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import cpu_seconds, record
+from benchmarks.common import cpu_seconds, py_spy, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.config import PeerAddress
@@ -94,27 +89,6 @@ def engine_figures(name: str, before: dict[str, float], after: dict[str, float],
             f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} of it)" if own
             else "-",
     }
-
-
-@contextlib.contextmanager
-def py_spy(pid: int, out: Path | None) -> Iterator[None]:
-    """With ``out``: ``py-spy`` samples the process's every thread (idle ones too, so a
-    wait on the GPU shows) while the block runs, into ``out`` as folded stacks."""
-    if out is None:
-        yield
-        return
-    exe = shutil.which("py-spy")
-    if exe is None:
-        raise SystemExit("--py-spy: no py-spy on PATH (pip install py-spy)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--threads",
-                             "--idle", "--nonblocking", "--rate", "200", "--output", str(out)],
-                            stdout=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        proc.wait(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
