@@ -30,6 +30,12 @@ def build(events: int) -> web.Application:
                                                    "finish_reason": "length" if i == count - 1
                                                    else None}]}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": "cmpl-bare", "object": "text_completion", "created": created,
+                     "model": "bare", "choices": [],
+                     "usage": {"prompt_tokens": 1, "completion_tokens": count,
+                               "total_tokens": count + 1}}
+            await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -21,6 +21,7 @@ near a full core per process is itself the bound, and the report says so.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import multiprocessing
 import random
@@ -50,6 +51,9 @@ class Result:
     duration: float  # seconds from sending to the last token
     tokens: int  # completion tokens (usage)
     events: int  # SSE events with text
+    #: Seconds between consecutive text events (the inter-token latency where each
+    #: event carries one token).
+    gaps: tuple[float, ...] = ()
 
     @property
     def tpot(self) -> float | None:
@@ -124,6 +128,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
     sent = time.perf_counter()
     first = last = ended = None
     tokens = events = 0
+    times: list[float] = []
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
@@ -142,13 +147,15 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 last = ended
                 first = first or last
                 events += 1
+                times.append(ended)
     if not tokens or ended is None:
         raise RuntimeError(f"a stream without a token (HTTP {resp.status})")
     if first is None or last is None:
         # Tokens without text (random weights draw special tokens, or a lone piece
         # of a UTF-8 character): the client saw them when the stream ended.
         first = last = ended
-    return Result(arrival, first - sent, last - sent, tokens, events)
+    gaps = tuple(b - a for a, b in itertools.pairwise(times))
+    return Result(arrival, first - sent, last - sent, tokens, events, gaps)
 
 
 def percentile(values: list[float], q: float) -> float:

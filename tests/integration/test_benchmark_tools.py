@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, idle_cost
+from benchmarks import common, frontend_load, idle_cost
 from benchmarks.loadgen import Job, Result, full_batch_tokens_per_s, run, schedule, summary
 from tests.stack import Stack
 
@@ -52,3 +52,19 @@ def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert idle_cost.main(["--streams", "20", "--seconds", "0.3"]) == 0
     entry = json.loads((tmp_path / "results.jsonl").read_text())
     assert entry["benchmark"] == "idle_cost" and entry["streams open"] == 20
+
+
+def test_the_frontend_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    """benchmarks.frontend_load for a moment: the peer in GPU-like steps, a rate and
+    all at once, then its bare limit; it records and writes its JSON (figures not
+    asserted)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
+    out = tmp_path / "frontend.json"
+    assert frontend_load.main(["--rates", "200", "inf", "--requests", "12", "--step-ms", "5",
+                               "--batch", "8", "--lengths", str(tmp_path / "none.json"),
+                               "--cap", "16", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["all at once: tokens/s delivered"] > 0
+    assert "inter-token p50 / p90 / p99, ms (a step is 5)" in " ".join(figures)
+    assert json.loads((tmp_path / "results.jsonl").read_text())["benchmark"] == "frontend_load"
