@@ -30,7 +30,7 @@ import random
 import sys
 from pathlib import Path
 
-from benchmarks.common import cpu_seconds, record
+from benchmarks.common import cpu_seconds, py_spy, record
 from benchmarks.e2e_stream import cpu_list
 from benchmarks.loadgen import Job, Run, percentile, run
 from dpu_frontend.softroce.processes import DAEMON_READY, start, stop
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="taskset -c LIST for the daemon (default 0); the rest run the load")
     ap.add_argument("--clients", type=int, default=1, help="load generator processes")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--py-spy", type=Path, metavar="DIR",
+                    help="profile the daemon (py-spy, CPU samples) at each rate, into DIR")
     args = ap.parse_args(argv)
 
     prefix: tuple[str, ...] = ()
@@ -148,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rates:
             name = "all at once" if rate == float("inf") else f"{rate:g} req/s"
             cpu0 = cpu_seconds(daemon)
-            done = run(stack.base_url, jobs(pairs, args.requests, rng), rate,
-                       clients=args.clients, seed=rng.randrange(1 << 30))
+            spy = (args.py_spy / f"daemon-{name.replace(' ', '-').replace('/', '-per-')}.txt"
+                   if args.py_spy else None)
+            with py_spy(daemon, spy, idle=False):
+                done = run(stack.base_url, jobs(pairs, args.requests, rng), rate,
+                           clients=args.clients, seed=rng.randrange(1 << 30))
             cpu = cpu_seconds(daemon) - cpu0
             out |= figures(name, done, args.step_ms, cpu)
             if cpu:
