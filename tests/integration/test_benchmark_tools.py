@@ -56,14 +56,14 @@ def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 def test_the_frontend_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
-    """benchmarks.frontend_load for a moment: the peer in GPU-like steps, a rate and
-    all at once, then its bare limit; it records and writes its JSON (figures not
-    asserted)."""
+    """benchmarks.frontend_load for a moment: the peer in GPU-like steps (a batch of 4
+    for 8 requests: half of them wait), then its bare limit; it records and writes its
+    JSON (figures not asserted)."""
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
     out = tmp_path / "frontend.json"
-    assert frontend_load.main(["--rates", "200", "inf", "--requests", "12", "--step-ms", "5",
-                               "--batch", "8", "--lengths", str(tmp_path / "none.json"),
-                               "--cap", "16", "--json", str(out)]) == 0
+    assert frontend_load.main(["--rates", "inf", "--requests", "8", "--step-ms", "5",
+                               "--batch", "4", "--lengths", str(tmp_path / "none.json"),
+                               "--cap", "8", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["all at once: tokens/s delivered"] > 0
     assert "inter-token p50 / p90 / p99, ms (a step is 5)" in " ".join(figures)
