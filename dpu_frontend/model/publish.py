@@ -193,8 +193,7 @@ class RingRecords:
     def room(self) -> list[int]:
         """Per channel, the records the next launch may add: the ring's free slots
         less every position taken or possibly taken, less the queued finals."""
-        self._retire()
-        tallies = self.backend.tallies()
+        tallies = self._retire()
         taken = np.zeros(self._channels, np.int64)
         for launch in self._unlanded:
             taken += launch.potential
@@ -245,13 +244,17 @@ class RingRecords:
             self._unlanded[0].done.synchronize()
             self._retire()
 
-    def _retire(self) -> None:
+    def _retire(self) -> list[Tally]:
+        """Forget the launches that are done; the writer's counters as they stand
+        (an error it reported fails the caller)."""
         while self._unlanded and self._unlanded[0].done.query():
             self._unlanded.popleft()
-        for c, tally in enumerate(self.backend.tallies()):
+        tallies = self.backend.tallies()
+        for c, tally in enumerate(tallies):
             if tally.error:
                 raise RuntimeError(f"record writer, channel {c}: "
                                    f"{WRITER_ERRORS.get(tally.error, tally.error)}")
+        return tallies
 
     def tally(self, channel: int) -> Tally:
         return self.backend.tallies()[channel]
