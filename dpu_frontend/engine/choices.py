@@ -14,21 +14,11 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
-from dpu_frontend.engine.service import Generation, Service, TextOptions, TokenLogprob
+from dpu_frontend.engine.service import Delta, Generation, Service, TextOptions
 from dpu_frontend.ring import SamplingParams
 
 MERGE_QUEUE_PER_CHOICE = 8
-
-
-@dataclass(frozen=True, slots=True)
-class ChoiceDelta:
-    index: int
-    text: str
-    finish_reason: str | None
-    completion_tokens: int  # of this choice so far
-    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Choices:
@@ -37,10 +27,13 @@ class Choices:
     def __init__(self, generations: list[Generation]) -> None:
         self.generations = generations
 
-    def deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
+    def batches(self) -> AsyncGenerator[list[Delta], None]:
+        """The deltas, as many at a time as have come: a single sequence's, all its
+        records of one poll (the common case: no task, no queue); several sequences'
+        merged, one at a time."""
         if len(self.generations) == 1:
-            return _single(self.generations[0])
-        return _merged(self.generations)
+            return self.generations[0].batches()
+        return _one_at_a_time(_merged(self.generations))
 
     def cancel(self) -> None:
         """Stop every sequence still generating (a no-op for those that ended). Needed
@@ -54,41 +47,40 @@ def start_choices(service: Service, prompts: list[list[int]], params: SamplingPa
     """Submit every choice now, raising admission errors before any response byte."""
     choices = Choices([])
     try:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             for j in range(n):
-                choices.generations.append(service.submit(prompt, _nth(params, j), options))
+                choices.generations.append(service.submit(prompt, _nth(params, j), options,
+                                                          i * n + j))
     except BaseException:
         choices.cancel()
         raise
     return choices
 
 
-async def _single(generation: Generation) -> AsyncGenerator[ChoiceDelta, None]:
-    """The common case: no task, no queue."""
-    async with contextlib.aclosing(generation.deltas()) as deltas:
-        async for d in deltas:
-            yield ChoiceDelta(0, d.text, d.finish_reason, d.completion_tokens, d.logprobs)
+async def _one_at_a_time(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[list[Delta], None]:
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            yield [delta]
 
 
-async def _merged(generations: list[Generation]) -> AsyncGenerator[ChoiceDelta, None]:
+async def _merged(generations: list[Generation]) -> AsyncGenerator[Delta, None]:
     # Bounded: a slow reader stalls the choice tasks, so records pile up in each
     # request's own bounded stream buffer (which cuts a too-slow client off),
     # never here.
-    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue(
+    queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue(
         maxsize=MERGE_QUEUE_PER_CHOICE * len(generations))
 
-    async def run(index: int, generation: Generation) -> None:
+    async def run(generation: Generation) -> None:
         try:
             async with contextlib.aclosing(generation.deltas()) as deltas:
-                async for d in deltas:
-                    await queue.put(ChoiceDelta(index, d.text, d.finish_reason,
-                                                d.completion_tokens, d.logprobs))
+                async for delta in deltas:
+                    await queue.put(delta)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await queue.put(exc)
 
-    tasks = [asyncio.create_task(run(i, g)) for i, g in enumerate(generations)]
+    tasks = [asyncio.create_task(run(g)) for g in generations]
     try:
         pending = len(tasks)
         while pending:

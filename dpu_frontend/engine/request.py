@@ -35,7 +35,7 @@ class RingRequest:
         self.cancel_sent = False  # a cancel record is on its way: never send two
         self._records: deque[ResponseRecord] = deque()
         self._error: DpuFrontendError | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the reader, waiting
 
     def put(self, record: ResponseRecord) -> bool:
         """Buffer a record; False when the buffer is full (the caller cuts the stream)."""
@@ -45,7 +45,7 @@ class RingRequest:
             return False
         self._records.append(record)
         self.finished = record.final
-        self._ready.set()
+        self._wake()
         return True
 
     def cancel(self) -> None:
@@ -62,20 +62,41 @@ class RingRequest:
         if not self.finished:
             self.finished = True
             self._error = error
-            self._ready.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> RingRequest:
         return self
 
     async def __anext__(self) -> ResponseRecord:
+        if not await self.wait():
+            raise StopAsyncIteration
+        return self._records.popleft()
+
+    async def wait(self) -> bool:
+        """Until a record is here (True) or none will come (False); raises the error the
+        request ended with, once the records before it are read."""
         while not self._records:
             if self._error is not None:
                 raise self._error
             if self.finished:
-                raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
-        return self._records.popleft()
+                return False
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return True
+
+    def take(self) -> list[ResponseRecord]:
+        """Every record here now, in order (a poll's worth, when the reader kept up)."""
+        records = list(self._records)
+        self._records.clear()
+        return records
 
     @property
     def drained(self) -> bool:

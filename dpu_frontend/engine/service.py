@@ -2,22 +2,22 @@
 
 The HTTP layer speaks requests and SSE; this module speaks token ids and text
 deltas. Tokenization runs on a few threads, off the event loop (a 256K-token
-prompt takes a while); each thread has its own copy of the tokenizer, since
-one ``tokenizers.Tokenizer`` must not be used from two threads at once
-("Already borrowed"), and ``encode_batch`` releases the GIL while it works.
+prompt takes a while), all with the one tokenizer the detokenizers use:
+``encode_batch`` and ``DecodeStream.step`` borrow it shared (nothing here calls
+a method that changes it), and ``encode_batch`` releases the GIL while it works.
+A copy a thread cost 86 MB each (the Qwen3 vocabulary).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-from tokenizers import Tokenizer
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
@@ -49,8 +49,10 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of one sequence; the last one carries the finish reason."""
+    """New text of one sequence (choice ``index`` of its request); the last one carries
+    the finish reason."""
 
+    index: int
     text: str
     finish_reason: str | None
     completion_tokens: int
@@ -77,9 +79,8 @@ class Service:
         self.max_model_len = config.max_model_len or vocab.model_max_length
         self._executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads,
                                             thread_name_prefix="tokenize")
-        self._local = threading.local()
-        self._serialized = vocab.tokenizer.to_str()
         self._token_bytes: TokenBytes | None = None
+        self._tokenizer = vocab.tokenizer  # shared by the tokenizer threads
 
     @property
     def token_bytes(self) -> TokenBytes:
@@ -89,15 +90,8 @@ class Service:
             self._token_bytes = TokenBytes(self.vocab.tokenizer)
         return self._token_bytes
 
-    def _tokenizer(self) -> Tokenizer:
-        """In a tokenizer thread: that thread's own tokenizer."""
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._local.tokenizer = Tokenizer.from_str(self._serialized)
-        return tokenizer
-
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return encode(self._tokenizer(), text, add_special_tokens=add_special_tokens)
+        return encode(self._tokenizer, text, add_special_tokens=add_special_tokens)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-heavy request work (a huge decode, a template render) on the tokenizer
@@ -105,7 +99,7 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def detokenize(self, ids: list[int]) -> str:
-        return await self.off_loop(lambda: str(self._tokenizer().decode(ids)))
+        return await self.off_loop(lambda: str(self._tokenizer.decode(ids)))
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         """Token ids a client sent must exist in the vocabulary the GPU side uses."""
@@ -115,18 +109,18 @@ class Service:
                                param=param)
 
     async def warm_up(self) -> None:
-        """Give every tokenizer thread its tokenizer now (loading one takes a few hundred
-        milliseconds, which would otherwise land on the first requests), and build the
-        token-bytes table of log probabilities."""
+        """Start every tokenizer thread now, each with an encode (the first one pays for
+        the tokenizer's lazy set-up), and build the token-bytes table of log
+        probabilities, rather than on the first requests."""
         threads = self.config.tokenizer_threads
         barrier = threading.Barrier(threads)
 
-        def load() -> None:
+        def start() -> None:
             self._encode("warm up", True)
-            barrier.wait(timeout=60)  # hold this thread so that each one loads its own
+            barrier.wait(timeout=60)  # hold this thread so that each one starts
 
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._executor, load)
+        await asyncio.gather(*(loop.run_in_executor(self._executor, start)
                                for _ in range(threads)))
         _ = self.token_bytes  # built now rather than on the first request
 
@@ -160,7 +154,7 @@ class Service:
         # (a run of spaces: 4 MiB of it is 32K tokens and takes seconds) or whose
         # density changes (spaces, then digits) is bounded by max_request_bytes only.
         if len(text) > max(self.max_model_len, COUNT_CHUNK_CHARS):
-            counted = count_beyond(self._tokenizer(), text, self.max_model_len - 1)
+            counted = count_beyond(self._tokenizer, text, self.max_model_len - 1)
             if counted is not None:
                 raise self._too_long(f"your prompt has at least {counted} tokens", param)
         return self._encode(text, add_special_tokens)
@@ -181,7 +175,7 @@ class Service:
         return min(max_tokens, self.max_model_len - prompt_tokens)
 
     def submit(self, prompt: list[int], params: SamplingParams,
-               options: TextOptions = TextOptions()) -> Generation:
+               options: TextOptions = TextOptions(), index: int = 0) -> Generation:
         """Queue the request for a GPU peer now: admission errors (429, 503) raise here,
         before any response byte is written."""
         # Everything that can fail comes first: once submitted, the GPU generates up to
@@ -190,7 +184,7 @@ class Service:
                                        skip_special_tokens=options.skip_special_tokens)
         stops = StopMatcher(options.stop, include=options.include_stop)
         return Generation(self.pool.submit(prompt, params), detok, stops, params.logprobs,
-                          self.vocab.tokenizer.get_vocab_size())
+                          self.vocab.tokenizer.get_vocab_size(), index)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -200,13 +194,16 @@ class Generation:
     """One submitted sequence, turned into text deltas as its records arrive."""
 
     def __init__(self, request: RingRequest, detok: IncrementalDetokenizer,
-                 stops: StopMatcher, logprobs: int | None = None, vocab_size: int = 0) -> None:
+                 stops: StopMatcher, logprobs: int | None = None, vocab_size: int = 0,
+                 index: int = 0) -> None:
         self.request = request  # nothing here may fail: the request is on its way
+        self.index = index  # the choice it is of its request
         self._detok = detok
         self._stops = stops
         self._logprobs = logprobs  # alternatives asked for; None: no log probabilities
         self._vocab_size = vocab_size
         self._chars = 0  # characters detokenized so far (the next token's text offset)
+        self._count = 0  # tokens received
 
     def cancel(self) -> None:
         self.request.cancel()  # a no-op once the final record was read
@@ -214,33 +211,60 @@ class Generation:
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; their concatenation equals the full decode of
         the generated ids after the prompt, cut at the first stop string."""
-        request, detok, stops = self.request, self._detok, self._stops
-        count = 0
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def batches(self) -> AsyncGenerator[list[Delta], None]:
+        """``deltas``, as many at a time as have come: each wake-up converts every
+        record received by then (those of one poll, when the reader keeps up)."""
+        request = self.request
         try:
-            async for record in request:
-                count += len(record.tokens)
-                lps: tuple[TokenLogprob, ...] = ()
-                if self._logprobs is None:
-                    text = stops.feed(detok.push(record.tokens))
-                else:
-                    pushed, lps = self._push_with_logprobs(record)
-                    text = stops.feed(pushed)
-                if record.final:
-                    if record.finish not in FINISH_REASONS:
-                        raise PeerError(f"GPU peer ended the request with {record.finish.name}")
-                    text += stops.feed(detok.finish())
-                    text += stops.flush()
-                if stops.matched is not None:
-                    # Stop generating on the GPU side at once; the rest is not wanted.
-                    request.cancel()
-                    yield Delta(text, "stop", count, lps)
-                    return
-                if record.final:
-                    yield Delta(text, FINISH_REASONS[record.finish], count, lps)
-                elif text or lps:
-                    yield Delta(text, None, count, lps)
+            while await request.wait():
+                batch: list[Delta] = []
+                for record in request.take():
+                    try:
+                        delta = self.convert(record)
+                    except Exception:
+                        if batch:
+                            yield batch  # the deltas before the bad record go out first
+                        raise
+                    if delta is not None:
+                        batch.append(delta)
+                        if delta.finish_reason is not None:
+                            break  # the last: what may follow it is not wanted
+                if batch:
+                    yield batch
+                    if batch[-1].finish_reason is not None:
+                        return
         finally:
             self.cancel()
+
+    def convert(self, record: ResponseRecord) -> Delta | None:
+        """The delta one record makes (None: no text yet); the one with a finish reason
+        is the last. A stop string matched cancels the generation on the GPU side."""
+        stops = self._stops
+        self._count += len(record.tokens)
+        lps: tuple[TokenLogprob, ...] = ()
+        if self._logprobs is None:
+            text = stops.feed(self._detok.push(record.tokens))
+        else:
+            pushed, lps = self._push_with_logprobs(record)
+            text = stops.feed(pushed)
+        if record.final:
+            if record.finish not in FINISH_REASONS:
+                raise PeerError(f"GPU peer ended the request with {record.finish.name}")
+            text += stops.feed(self._detok.finish())
+            text += stops.flush()
+        if stops.matched is not None:
+            self.request.cancel()  # stop generating at once; the rest is not wanted
+            return Delta(self.index, text, "stop", self._count, lps)
+        if record.final:
+            return Delta(self.index, text, FINISH_REASONS[record.finish], self._count, lps)
+        if text or lps:
+            return Delta(self.index, text, None, self._count, lps)
+        return None
 
     def _push_with_logprobs(self, record: ResponseRecord) -> tuple[str, tuple[TokenLogprob, ...]]:
         """The record's text, a token at a time so that each token's offset is known, and

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dpu_frontend.engine.choices import ChoiceDelta
-from dpu_frontend.engine.service import TokenLogprob
+from dpu_frontend.engine.service import Delta, TokenLogprob
 from dpu_frontend.errors import RequestError
 from dpu_frontend.http.generation import GenerationHandler, Job, envelope
 from dpu_frontend.http.logprobs import chat_logprobs
@@ -39,7 +38,7 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
             "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]) for i in range(len(job.prompts) * job.n)]
 
-    def chunk(self, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
+    def chunk(self, job: Job, delta: Delta) -> dict[str, Any]:
         message = {"content": delta.text} if delta.text else {}
         return envelope(job, self.chunk_object, [{
             "index": delta.index, "delta": message,

@@ -6,8 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from dpu_frontend.engine.choices import ChoiceDelta
-from dpu_frontend.engine.service import TokenLogprob
+from dpu_frontend.engine.service import Delta, TokenLogprob
 from dpu_frontend.http.generation import GenerationHandler, Job, envelope
 from dpu_frontend.http.logprobs import completion_logprobs
 from dpu_frontend.http.schemas import CompletionRequest
@@ -40,7 +39,7 @@ class CompletionsHandler(GenerationHandler[CompletionRequest]):
     def requested_max_tokens(self, req: CompletionRequest) -> int | None:
         return req.max_tokens
 
-    def chunk(self, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
+    def chunk(self, job: Job, delta: Delta) -> dict[str, Any]:
         return envelope(job, self.chunk_object, [{
             "index": delta.index, "text": delta.text,
             "logprobs": self.choice_logprobs(job, delta.logprobs),

@@ -17,12 +17,8 @@ from pytest_aiohttp import AiohttpClient
 import dpu_frontend.engine.service as service_module
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.daemon import Daemon
-from dpu_frontend.engine.choices import ChoiceDelta
-from dpu_frontend.http.chat import ChatCompletionsHandler
-from dpu_frontend.http.completions import CompletionsHandler
 from dpu_frontend.http.errors import boundary
-from dpu_frontend.http.generation import Job
-from dpu_frontend.metrics import Metrics
+from dpu_frontend.metrics import Metrics, RequestTimer
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.chat_template import MAX_NESTING
 from dpu_frontend.text.stop import StopMatcher
@@ -262,19 +258,19 @@ async def test_counting_stops_once_the_prompt_cannot_fit(
     text = "hello world " * 15_000  # 180,000 characters, 30,000 tokens
     assert len(text) < service.vocab.max_token_chars * 999  # past the character bound
     seen: list[int] = []
-    tokenizer = service._tokenizer
+    real = service._tokenizer
 
     class Recording:
-        """The thread's tokenizer, recording the length of each text it encodes."""
-
-        def __init__(self) -> None:
-            self.real = tokenizer()
+        """The tokenizer, recording the length of each text it encodes."""
 
         def encode_batch(self, texts: list[str], add_special_tokens: bool) -> Any:
             seen.extend(len(t) for t in texts)
-            return self.real.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return real.encode_batch(texts, add_special_tokens=add_special_tokens)
 
-    monkeypatch.setattr(service, "_tokenizer", Recording)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    monkeypatch.setattr(service, "_tokenizer", Recording())
     resp = await front.client.post("/v1/completions", json={"model": MODEL, "prompt": text})
     body = await resp.json()
     assert_error(resp.status, body, 400, param="prompt", code="context_length_exceeded")
@@ -329,18 +325,17 @@ async def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(
         make_frontend: Factory, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture, path: str) -> None:
     front = await make_frontend()
-    handler = CompletionsHandler if path == "/v1/completions" else ChatCompletionsHandler
-    chunk = handler.chunk
+    on_delta = RequestTimer.on_delta
     calls = 0
 
-    def failing_chunk(self: Any, job: Job, delta: ChoiceDelta) -> dict[str, Any]:
+    def failing_on_delta(self: RequestTimer, index: int, completion_tokens: int) -> None:
         nonlocal calls
         calls += 1
         if calls == 2:
             raise RuntimeError("a bug in building the second chunk")
-        return chunk(self, job, delta)
+        on_delta(self, index, completion_tokens)
 
-    monkeypatch.setattr(handler, "chunk", failing_chunk)
+    monkeypatch.setattr(RequestTimer, "on_delta", failing_on_delta)
     body = {"model": MODEL, "max_tokens": 100, "stream": True} | (
         {"prompt": "Hi"} if path == "/v1/completions" else
         {"messages": [{"role": "user", "content": "Hi"}]})
