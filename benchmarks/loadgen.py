@@ -28,6 +28,7 @@ import random
 import resource
 import statistics
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +86,7 @@ def run(url: str, jobs: list[Job], rate: float, *, clients: int = 4,
     processes; every request streams with ``ignore_eos`` and greedy sampling."""
     arrivals = schedule(len(jobs), rate, random.Random(seed))
     start = time.time() + 0.5 + 0.05 * clients  # time for the processes to start
-    body = {"model": MODEL, "stream": True, "ignore_eos": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True}} | (extra or {})
+    body = _body(extra)
     shares = [[(arrivals[i], jobs[i]) for i in range(k, len(jobs), clients)]
               for k in range(clients)]
     ctx = multiprocessing.get_context("spawn")
@@ -97,12 +97,68 @@ def run(url: str, jobs: list[Job], rate: float, *, clients: int = 4,
     return Run(results, max(ends, default=0.0), sum(cpu for _, cpu in parts), clients)
 
 
+def run_closed(url: str, jobs: list[Job], streams: int, seconds: float, *,
+               clients: int = 4, extra: dict[str, Any] | None = None) -> Run:
+    """Hold ``streams`` streams open for ``seconds`` (closed loop): each sends its next job
+    the moment its last one ends, taking ``jobs`` in turn. At the end, the streams still
+    open are closed where they are: their tokens so far count (one an event)."""
+    start = time.time() + 0.5 + 0.05 * clients
+    body = _body(extra)
+    shares = [(streams // clients + (k < streams % clients), jobs[k::clients] or jobs)
+              for k in range(clients)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(clients) as pool:
+        parts = pool.starmap(_client_closed, [(url, share, slots, start, seconds, body)
+                                              for slots, share in shares])
+    results = [r for part, _ in parts for r in part]
+    return Run(results, seconds, sum(cpu for _, cpu in parts), clients)
+
+
+def _body(extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"model": MODEL, "stream": True, "ignore_eos": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True}} | (extra or {})
+
+
 def _client(url: str, share: list[tuple[float, Job]], start: float,
             body: dict[str, Any]) -> tuple[list[Result], float]:
+    return _timed(_client_loop(url, share, start, body))
+
+
+def _client_closed(url: str, share: list[Job], slots: int, start: float, seconds: float,
+                   body: dict[str, Any]) -> tuple[list[Result], float]:
+    return _timed(_closed_loop(url, share, slots, start, seconds, body))
+
+
+def _timed(loop: Coroutine[Any, Any, list[Result]]) -> tuple[list[Result], float]:
+    """The client's results, and the CPU seconds it spent on them."""
     before = resource.getrusage(resource.RUSAGE_SELF)
-    results = asyncio.run(_client_loop(url, share, start, body))
+    results = asyncio.run(loop)
     after = resource.getrusage(resource.RUSAGE_SELF)
     return results, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+async def _closed_loop(url: str, share: list[Job], slots: int, start: float, seconds: float,
+                       body: dict[str, Any]) -> list[Result]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    results: list[Result] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.sleep(max(0.0, start - time.time()))
+        origin = time.perf_counter() - (time.time() - start)
+        until = origin + seconds
+
+        async def stream(k: int) -> None:
+            while time.perf_counter() < until:
+                job = share[k % len(share)]
+                k += slots
+                request = body | {"prompt": job.prompt, "max_tokens": job.max_tokens}
+                result = await _one(session, url, request, time.perf_counter() - origin,
+                                    until)
+                if result.tokens:  # not one cut before its first token
+                    results.append(result)
+
+        await asyncio.gather(*(stream(k) for k in range(slots)))
+    return results
 
 
 async def _client_loop(url: str, share: list[tuple[float, Job]], start: float,
@@ -124,7 +180,9 @@ async def _client_loop(url: str, share: list[tuple[float, Job]], start: float,
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               arrival: float) -> Result:
+               arrival: float, until: float = float("inf")) -> Result:
+    """One streamed request; past ``until`` (perf_counter), it is left where it is and
+    its events so far count as its tokens."""
     sent = time.perf_counter()
     first = last = ended = None
     tokens = events = 0
@@ -133,6 +191,13 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         async for raw in resp.content:
+            if until != float("inf") and time.perf_counter() > until:
+                resp.close()  # the run is over: this stream is cut, not finished
+                tokens = tokens or events
+                if first is None or last is None:
+                    return Result(arrival, 0.0, 0.0, 0, 0)
+                return Result(arrival, first - sent, last - sent, tokens, events,
+                              tuple(b - a for a, b in itertools.pairwise(times)))
             if not raw.startswith(b"data: {"):
                 continue
             if b'"error"' in raw[:16]:

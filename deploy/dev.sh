@@ -47,9 +47,9 @@ setup() {
     log "venv $VENV (with the distribution's pyverbs)"
     /usr/bin/python3 -m venv --system-site-packages "$VENV"
   fi
-  log "pip install -e .[test,softroce]"
+  log "pip install -e .[test,softroce,bench]"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,softroce]" 2>&1 \
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,softroce,bench]" 2>&1 \
     | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -m dpu_frontend.text.assets  # as an operator installs it: the files only
   "$VENV/bin/python" -c "import dpu_frontend, pyverbs, tokenizers, openai" \

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, frontend_load, idle_cost
+from benchmarks import common, frontend_load, frontend_scaling, idle_cost
 from benchmarks.loadgen import Job, Result, full_batch_tokens_per_s, run, schedule, summary
 from tests.stack import Stack
 
@@ -57,14 +57,37 @@ def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path:
 def test_the_frontend_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     """benchmarks.frontend_load for a moment: the peer in GPU-like steps (a batch of 4
-    for 8 requests: half of them wait), then its bare limit; it records and writes its
-    JSON (figures not asserted)."""
+    for 8 requests: half of them wait), a closed loop of 4 streams for 2 s, admission,
+    then the bare limits; it records, writes its JSON and its plots (figures not
+    asserted)."""
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
     out = tmp_path / "frontend.json"
-    assert frontend_load.main(["--rates", "inf", "--requests", "8", "--step-ms", "5",
+    assert frontend_load.main(["--rates", "inf", "--requests", "8", "--streams", "4",
+                               "--seconds", "2", "--admission", "2", "--step-ms", "5",
                                "--batch", "4", "--lengths", str(tmp_path / "none.json"),
-                               "--cap", "8", "--json", str(out)]) == 0
+                               "--cap", "8", "--json", str(out),
+                               "--png", str(tmp_path / "plots")]) == 0
     figures = json.loads(out.read_text())
     assert figures["all at once: tokens/s delivered"] > 0
+    assert figures["4 streams: tokens/s delivered"] > 0
     assert "inter-token p50 / p90 / p99, ms (a step is 5)" in " ".join(figures)
+    assert figures["4 streams: daemon events per CPU second / bare paced"] > 0
+    assert figures["bare encode: prompts per CPU second (one thread)"] > 0
+    assert [r["loop"] for r in figures["runs"]] == ["open", "closed"]
+    assert (tmp_path / "plots" / "cpu_per_token_vs_streams.png").stat().st_size > 0
     assert json.loads((tmp_path / "results.jsonl").read_text())["benchmark"] == "frontend_load"
+
+
+def test_the_frontend_scaling_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """benchmarks.frontend_scaling for a moment: one worker (this machine has no core to
+    spare for a second beside the load), 4 streams for 1 s; its JSON and its plot."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
+    out = tmp_path / "scaling.json"
+    assert frontend_scaling.main(["--workers", "1", "--streams", "4", "--seconds", "1",
+                                  "--step-ms", "5", "--lengths", str(tmp_path / "none.json"),
+                                  "--cap", "8", "--json", str(out),
+                                  "--png", str(tmp_path / "plots")]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["workers"] == 1 and point["events/s"] > 0 and point["of linear"] == 1.0
+    assert (tmp_path / "plots" / "throughput_vs_workers.png").stat().st_size > 0

@@ -1,0 +1,75 @@
+"""PNG plots of the frontend benchmarks (matplotlib, the ``bench`` extra).
+
+``frontend_plots`` draws a ``frontend_load`` run: latency against the offered rate
+(open loop) and CPU per token against the streams held open (closed loop), beside
+the bare pipeline's. ``scaling_plot`` draws throughput against worker processes
+(``benchmarks.frontend_scaling``), beside linear.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+
+def frontend_plots(runs: list[dict[str, Any]], into: Path) -> list[Path]:
+    into.mkdir(parents=True, exist_ok=True)
+    written = []
+    open_loop = [r for r in runs if r["loop"] == "open" and r["load"] != "inf"]
+    if open_loop:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rates = [r["load"] for r in open_loop]
+        for key, style in (("TTFT p50 ms", "o-"), ("TTFT p99 ms", "o--"),
+                           ("ITL p50 ms", "s-"), ("ITL p99 ms", "s--")):
+            ax.plot(rates, [r[key] for r in open_loop], style, label=key.removesuffix(" ms"))
+        ax.set_xlabel("offered load, requests/s (Poisson)")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.set_title("Latency against rate (one daemon worker)")
+        ax.legend()
+        written.append(_save(fig, into / "latency_vs_rate.png"))
+    closed = [r for r in runs if r["loop"] == "closed"]
+    if closed:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        streams = [r["load"] for r in closed]
+        ax.plot(streams, [r["CPU us per token"] for r in closed], "o-", label="daemon")
+        for name in ("paced", "unpaced"):
+            key = f"bare {name} events per CPU s"
+            if all(r.get(key) for r in closed):
+                ax.plot(streams, [1e6 / r[key] for r in closed], "s--",
+                        label=f"bare pipeline, {name}")
+        ax.set_xlabel("streams held open (closed loop)")
+        ax.set_ylabel("CPU µs per token")
+        ax.set_ylim(bottom=0)
+        ax.set_title("CPU per token against streams")
+        ax.legend()
+        written.append(_save(fig, into / "cpu_per_token_vs_streams.png"))
+    return written
+
+
+def scaling_plot(points: list[dict[str, Any]], into: Path) -> Path:
+    """``points``: one per worker count, with "workers" and "events/s"."""
+    into.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    workers = [p["workers"] for p in points]
+    events = [p["events/s"] for p in points]
+    ax.plot(workers, events, "o-", label="measured")
+    one = events[0] / workers[0]
+    ax.plot(workers, [one * w for w in workers], "--", label="linear from the first")
+    ax.set_xlabel("daemon worker processes")
+    ax.set_ylabel("SSE events/s")
+    ax.set_title("Throughput against workers")
+    ax.legend()
+    return _save(fig, into / "throughput_vs_workers.png")
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
