@@ -4,6 +4,8 @@
 #   deploy/dev.sh demo   install everything, start soft-RoCE + reference peer +
 #                        daemon, stream one completion
 #   deploy/dev.sh test   install everything, run the whole test suite
+#   deploy/dev.sh bench  install everything, run the frontend benchmarks into
+#                        build/bench (JSON and PNG; docs/benchmarks.md)
 #   deploy/dev.sh setup  install only
 #
 # Installs (idempotently): the Debian packages soft-RoCE needs (rdma-core,
@@ -102,6 +104,32 @@ demo() {
   "$VENV/bin/dpu-frontend" softroce -- dpu-frontend demo "$@"
 }
 
+# The frontend's benchmarks (issue 12) with their defaults, results in build/bench:
+# frontend_load on one daemon core (extra arguments go to it), and on a machine with
+# cores to spare for the load, frontend_scaling up to half of them as workers.
+bench() {
+  setup
+  cd "$ROOT"
+  local out=$BUILD/bench
+  mkdir -p "$out"
+  [ -f "$BUILD/sharegpt-lengths.json" ] \
+    || "$VENV/bin/python" -m benchmarks.sharegpt_lengths --out "$BUILD/sharegpt-lengths.json"
+  export PATH="$VENV/bin:$PATH"  # py-spy, for --py-spy
+  log "frontend_load -> $out"
+  "$VENV/bin/python" -m benchmarks.frontend_load --json "$out/frontend_load.json" --png "$out" "$@"
+  local cores workers=(1) n=2
+  cores=$(nproc)
+  while [ $((2 * n)) -le "$cores" ]; do workers+=("$n"); n=$((2 * n)); done
+  if [ "${#workers[@]}" -gt 1 ]; then
+    log "frontend_scaling --workers ${workers[*]} -> $out"
+    "$VENV/bin/python" -m benchmarks.frontend_scaling --workers "${workers[@]}" \
+      --clients $(((cores + 3) / 4)) --peers $(((cores + 3) / 4)) \
+      --json "$out/frontend_scaling.json" --png "$out"
+  else
+    log "frontend_scaling: $cores cores leave none for the load beside a second worker; skipped"
+  fi
+}
+
 run_tests() {
   setup
   cd "$ROOT"
@@ -154,5 +182,6 @@ case "$cmd" in
   setup) setup ;;
   demo) demo "$@" ;;
   test) run_tests "$@" ;;
-  *) echo "usage: deploy/dev.sh setup|demo|test" >&2; exit 2 ;;
+  bench) bench "$@" ;;
+  *) echo "usage: deploy/dev.sh setup|demo|test|bench" >&2; exit 2 ;;
 esac

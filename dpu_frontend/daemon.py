@@ -14,6 +14,8 @@ context), and exit 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import resource
 import signal
@@ -50,6 +52,21 @@ FILES_MARGIN = 256
 #: full, the client left believing it was connected); the kernel caps this at
 #: net.core.somaxconn (4096 by default since Linux 5.4).
 LISTEN_BACKLOG = 4096
+
+
+def release_free_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``): loading
+    the tokenizer parses its 11 MB of JSON into structures that are freed again, and
+    glibc kept 39 of the 86 MB that left resident. False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False  # musl, or no libc to load: nothing to trim with
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
 
 
 def raise_open_files_limit() -> int:
@@ -98,6 +115,7 @@ class Daemon:
         await self.pool.start()
         self.service = Service(cfg, vocab, self.pool, template, self.metrics)
         await self.service.warm_up()
+        release_free_memory()
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose cleanup sends the cancel record to the GPU side.
         app = create_app(self.service, cfg.model_name, self.metrics, self.keys)
