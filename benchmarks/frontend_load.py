@@ -261,8 +261,9 @@ def measure(args: argparse.Namespace,
         if args.admission:
             cpu0 = cpu_seconds(daemon)
             one_token = [Job(j.prompt, 1) for j in work.jobs(2000, rng)]
-            done = run_closed(stack.base_url, one_token, args.admission, args.seconds / 2,
-                              clients=args.clients)
+            with py_spy(daemon, spy("admission"), idle=False):
+                done = run_closed(stack.base_url, one_token, args.admission, args.seconds / 2,
+                                  clients=args.clients)
             cpu = cpu_seconds(daemon) - cpu0
             admitted = len(done.results) / cpu if cpu else 0.0
             out[f"admission: requests per daemon CPU second ({args.admission} streams of "
