@@ -109,9 +109,8 @@ class Service:
                                param=param)
 
     async def warm_up(self) -> None:
-        """Start every tokenizer thread now, each with an encode (the first one pays for
-        the tokenizer's lazy set-up), and build the token-bytes table of log
-        probabilities, rather than on the first requests."""
+        """Start every tokenizer thread now, with an encode each, and build the
+        token-bytes table of log probabilities, rather than on the first requests."""
         threads = self.config.tokenizer_threads
         barrier = threading.Barrier(threads)
 

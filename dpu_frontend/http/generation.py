@@ -272,8 +272,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         return before, after
 
 
-#: Stands for the text in a chunk template: no text a token makes contains NUL twice
-#: around this, and the JSON of it is unique in the event.
+#: Stands for the text while a template is rendered. Its JSON ("\u0000dpu-frontend
+#: text\u0000") is in no id, model name or usage; ``_template`` checks it is there once.
 _MARK = "\x00dpu-frontend text\x00"
 
 
