@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,37 @@ def load_workload(path: Path, cap: int) -> Workload:
             if k < len(data.get("prompts", [])) and len(texts) == len(pairs) - 1:
                 texts.append(str(data["prompts"][k]))
     return Workload(pairs, texts)
+
+
+def delivery_buckets(url: str) -> dict[float, float]:
+    """The daemon's delivery histogram (``dpu_frontend_delivery_seconds``): cumulative
+    count by upper bound, from its /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as page:
+        text = page.read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dpu_frontend_delivery_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def delivery_quantile(before: dict[float, float], after: dict[float, float],
+                      q: float) -> float:
+    """The bucket bound under which ``q`` of the run's delivery samples fall, ms."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = counts[-1][1] if counts else 0.0
+    for bound, cumulative in counts:
+        if total and cumulative >= q * total:
+            return bound * 1e3
+    return float("nan")
+
+
+DELIVERY = "the daemon's own delay of a token (delivery) p50 / p99, at most, ms"
+
+
+def delivery(before: dict[float, float], after: dict[float, float]) -> str:
+    return " / ".join(f"{delivery_quantile(before, after, q):g}" for q in (0.5, 0.99))
 
 
 def figures(name: str, done: Run, step_ms: float, cpu_s: float) -> dict[str, object]:
@@ -240,21 +272,25 @@ def measure(args: argparse.Namespace,
         out["daemon RSS at start, MB"] = round(rss_bytes(daemon) / 2**20, 1)
         for rate in args.rates:
             name = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+            delivered = delivery_buckets(stack.base_url)
             cpu0 = cpu_seconds(daemon)
             with py_spy(daemon, spy(name), idle=False):
                 done = run(stack.base_url, work.jobs(args.requests, rng), rate,
                            clients=args.clients, seed=rng.randrange(1 << 30))
             cpu = cpu_seconds(daemon) - cpu0
             out |= figures(name, done, args.step_ms, cpu)
+            out[f"{name}: {DELIVERY}"] = delivery(delivered, delivery_buckets(stack.base_url))
             runs.append(point("open", rate, done, cpu))
         for streams in args.streams:
             name = f"{streams} streams"
+            delivered = delivery_buckets(stack.base_url)
             cpu0 = cpu_seconds(daemon)
             with py_spy(daemon, spy(name), idle=False):
                 done = run_closed(stack.base_url, work.jobs(4 * streams, rng), streams,
                                   args.seconds, clients=args.clients)
             cpu = cpu_seconds(daemon) - cpu0
             out |= figures(name, done, args.step_ms, cpu)
+            out[f"{name}: {DELIVERY}"] = delivery(delivered, delivery_buckets(stack.base_url))
             out[f"{name}: daemon RSS, MB"] = round(rss_bytes(daemon) / 2**20, 1)
             runs.append(point("closed", streams, done, cpu))
             best_events = max(best_events, runs[-1]["events per CPU s"])

@@ -27,6 +27,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 PREFIX = "dpu_frontend_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+#: The daemon's own share of a token's latency: tens of microseconds when it keeps up.
+DELIVERY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
+                    0.5, 1.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000)
 
@@ -42,6 +45,12 @@ class Metrics:
                              "Time between consecutive generated tokens of a sequence "
                              "(one sample per delivery, of its mean gap per token).",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.delivery = Histogram(
+            PREFIX + "delivery_seconds",
+            "Time from a response record's arrival in the daemon (the poll that read it) "
+            "to the write of its streamed event: the frontend's own share of a token's "
+            "latency (one sample per write, of its oldest record).",
+            buckets=DELIVERY_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Time from request arrival to its last byte.",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -144,9 +153,9 @@ class Samples:
         self.pending = 0
 
 
-#: Inter-token samples a request keeps before adding them to the histogram (and at its
-#: end): a scrape sees a long stream's latencies within this many tokens.
-ITL_FLUSH = 64
+#: Samples a request keeps before adding them to their histogram (and at its end): a
+#: scrape sees a long stream's latencies within this many tokens.
+FLUSH_EVERY = 64
 
 
 @dataclass(slots=True)
@@ -158,6 +167,7 @@ class RequestTimer:
     first: float | None = None
     last: dict[int, tuple[float, int]] = field(default_factory=dict)  # choice -> (time, tokens)
     itl: Samples | None = None
+    delivery: Samples | None = None
 
     def on_delta(self, index: int, completion_tokens: int) -> None:
         now = time.monotonic()
@@ -175,13 +185,25 @@ class RequestTimer:
             if itl is None:
                 itl = self.itl = Samples(self.metrics.itl)
             itl.add((now - before_time) / new)
-            if itl.pending >= ITL_FLUSH:
+            if itl.pending >= FLUSH_EVERY:
                 itl.flush()
         self.last[index] = (now, completion_tokens)
 
+    def on_write(self, received: float) -> None:
+        """Streamed events are being written for records received at ``received``."""
+        if not received:
+            return
+        delivery = self.delivery
+        if delivery is None:
+            delivery = self.delivery = Samples(self.metrics.delivery)
+        delivery.add(time.monotonic() - received)
+        if delivery.pending >= FLUSH_EVERY:
+            delivery.flush()
+
     def finish(self, prompt_tokens: int) -> None:
-        if self.itl is not None:
-            self.itl.flush()
+        for samples in (self.itl, self.delivery):
+            if samples is not None:
+                samples.flush()
         m = self.metrics
         m.e2e.observe(time.monotonic() - self.arrival)
         generated = sum(tokens for _, tokens in self.last.values())

@@ -36,6 +36,8 @@ class RingRequest:
         self._records: deque[ResponseRecord] = deque()
         self._error: DpuFrontendError | None = None
         self._waiter: asyncio.Future[None] | None = None  # the reader, waiting
+        #: When the oldest record still buffered arrived (time.monotonic()).
+        self.received_at = 0.0
 
     def put(self, record: ResponseRecord) -> bool:
         """Buffer a record; False when the buffer is full (the caller cuts the stream)."""
@@ -43,6 +45,8 @@ class RingRequest:
             return True
         if len(self._records) >= self.limit:
             return False
+        if not self._records:
+            self.received_at = time.monotonic()
         self._records.append(record)
         self.finished = record.final
         self._wake()

@@ -57,6 +57,9 @@ class Delta:
     finish_reason: str | None
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens of this delta, when asked for
+    #: When the daemon received the oldest record of its batch (time.monotonic(); 0:
+    #: not known), for the delivery latency.
+    received: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +225,10 @@ class Generation:
         try:
             while await request.wait():
                 batch: list[Delta] = []
+                received = request.received_at
                 for record in request.take():
                     try:
-                        delta = self.convert(record)
+                        delta = self.convert(record, received)
                     except Exception:
                         if batch:
                             yield batch  # the deltas before the bad record go out first
@@ -240,7 +244,7 @@ class Generation:
         finally:
             self.cancel()
 
-    def convert(self, record: ResponseRecord) -> Delta | None:
+    def convert(self, record: ResponseRecord, received: float = 0.0) -> Delta | None:
         """The delta one record makes (None: no text yet); the one with a finish reason
         is the last. A stop string matched cancels the generation on the GPU side."""
         stops = self._stops
@@ -258,11 +262,12 @@ class Generation:
             text += stops.flush()
         if stops.matched is not None:
             self.request.cancel()  # stop generating at once; the rest is not wanted
-            return Delta(self.index, text, "stop", self._count, lps)
+            return Delta(self.index, text, "stop", self._count, lps, received)
         if record.final:
-            return Delta(self.index, text, FINISH_REASONS[record.finish], self._count, lps)
+            return Delta(self.index, text, FINISH_REASONS[record.finish], self._count, lps,
+                         received)
         if text or lps:
-            return Delta(self.index, text, None, self._count, lps)
+            return Delta(self.index, text, None, self._count, lps, received)
         return None
 
     def _push_with_logprobs(self, record: ResponseRecord) -> tuple[str, tuple[TokenLogprob, ...]]:

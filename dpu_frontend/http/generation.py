@@ -257,6 +257,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                     await response.write(b"".join(events))
                 raise
             if events:
+                timer.on_write(batch[0].received)
                 # One awaited write a batch: aiohttp applies backpressure here.
                 await response.write(b"".join(events))
         if include_usage:

@@ -176,3 +176,23 @@ async def test_tokenizing_a_huge_prompt_does_not_hold_up_the_others(
     (_, arrival) = await front.gpu.wait_for(2)
     front.gpu.finish(arrival.record.request_id, (7,), FinishReason.LENGTH)
     assert (await huge).status == 200
+
+
+async def test_the_records_of_one_poll_go_out_in_one_write_and_their_delay_is_counted(
+        make_frontend: Factory, vocab: Vocabulary) -> None:
+    """Records that came in the same poll make one event each, written together; the
+    delivery histogram holds one sample a write (the daemon's own share of latency)."""
+    front = await make_frontend()
+    resp = await front.client.post("/v1/completions", json=LONG)
+    (arrival,) = await front.gpu.wait_for(1)
+    request_id = arrival.record.request_id
+    for word in (" red", " green", " blue"):  # before the handler runs: one batch
+        front.gpu.emit(request_id, ids(vocab, word))
+    front.gpu.finish(request_id, finish=FinishReason.LENGTH)
+    got = await events(resp)
+    assert [e["choices"][0]["text"] for e in got] == [" red", " green", " blue", ""]
+    assert got[-1]["choices"][0]["finish_reason"] == "length"
+    await front.service.pool.wait_idle()
+    count = front.metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_count")
+    total = front.metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_sum")
+    assert count is not None and 1 <= count <= 4 and total is not None and 0 <= total < 5

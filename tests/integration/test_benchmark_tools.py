@@ -70,6 +70,7 @@ def test_the_frontend_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
     figures = json.loads(out.read_text())
     assert figures["all at once: tokens/s delivered"] > 0
     assert figures["4 streams: tokens/s delivered"] > 0
+    assert figures[f"4 streams: {frontend_load.DELIVERY}"].count(" / ") == 1
     assert "inter-token p50 / p90 / p99, ms (a step is 5)" in " ".join(figures)
     assert figures["4 streams: daemon events per CPU second / bare paced"] > 0
     assert figures["bare encode: prompts per CPU second (one thread)"] > 0

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpu_frontend.metrics import ITL_FLUSH, Metrics, Samples
+from dpu_frontend.metrics import FLUSH_EVERY, Metrics, Samples
 
 NAME = "dpu_frontend_inter_token_latency_seconds"
 
@@ -39,12 +39,20 @@ def test_a_long_stream_shows_in_the_histogram_before_it_ends(
     clock = iter(float(t) for t in range(10_000))
     monkeypatch.setattr("dpu_frontend.metrics.time.monotonic", lambda: next(clock))
     timer = metrics.request(arrival=0.0)
-    for tokens in range(1, ITL_FLUSH + 2):  # the first gives TTFT, then ITL_FLUSH gaps
+    for tokens in range(1, FLUSH_EVERY + 2):  # the first gives TTFT, then FLUSH_EVERY gaps
         timer.on_delta(0, tokens)
-    assert histogram_samples(metrics)[(NAME + "_count", "")] == ITL_FLUSH
-    timer.on_delta(0, ITL_FLUSH + 3)  # two tokens in one delta: one sample, of half the gap
-    assert histogram_samples(metrics)[(NAME + "_count", "")] == ITL_FLUSH
+    assert histogram_samples(metrics)[(NAME + "_count", "")] == FLUSH_EVERY
+    timer.on_delta(0, FLUSH_EVERY + 3)  # two tokens in one delta: one sample, of half the gap
+    assert histogram_samples(metrics)[(NAME + "_count", "")] == FLUSH_EVERY
     timer.finish(prompt_tokens=5)
-    assert histogram_samples(metrics)[(NAME + "_count", "")] == ITL_FLUSH + 1
-    assert histogram_samples(metrics)[(NAME + "_sum", "")] == ITL_FLUSH + 0.5
+    assert histogram_samples(metrics)[(NAME + "_count", "")] == FLUSH_EVERY + 1
+    assert histogram_samples(metrics)[(NAME + "_sum", "")] == FLUSH_EVERY + 0.5
 
+
+
+def test_a_write_of_unknown_arrival_is_not_a_sample() -> None:
+    metrics = Metrics()
+    timer = metrics.request(arrival=0.0)
+    timer.on_write(0.0)  # a delta whose record's arrival is not known
+    timer.finish(prompt_tokens=1)
+    assert metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_count") == 0
