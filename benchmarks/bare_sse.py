@@ -40,9 +40,14 @@ def canned() -> Iterator[str]:
         yield " word"
 
 
+def corpus_ids(tokenizer: Tokenizer) -> list[int]:
+    """The reference peer's corpus as ids: what its replay generates."""
+    return [i for doc in default_corpus() for i in tokenizer.encode(doc).ids]
+
+
 def detokenized(tokenizer: Tokenizer) -> Texts:
     """Each stream's texts: the corpus's ids, one ``DecodeStream.step`` an event."""
-    ids = [i for doc in default_corpus() for i in tokenizer.encode(doc).ids]
+    ids = corpus_ids(tokenizer)
 
     def texts() -> Iterator[str]:
         stream = DecodeStream(skip_special_tokens=True)

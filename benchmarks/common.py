@@ -29,6 +29,18 @@ def cpu_seconds(pid: int) -> float:
     return own + sum(cpu_seconds(int(child)) for child in children)
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its live children, from /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return 0
+    own = next((int(line.split()[1]) * 1024 for line in status.splitlines()
+                if line.startswith("VmRSS:")), 0)
+    return own + sum(rss_bytes(int(child)) for child in children)
+
+
 def best_of(fn: Callable[[], None], *, repeat: int = 5) -> float:
     """The fastest of ``repeat`` runs, in seconds: the least disturbed by the machine."""
     best = float("inf")

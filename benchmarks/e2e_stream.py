@@ -123,9 +123,12 @@ def cpu_list(text: str) -> set[int]:
     return cores
 
 
-def start_bare(events: int) -> tuple[subprocess.Popen[str], str]:
-    return start([sys.executable, "-m", "benchmarks.bare_sse", "--events", str(events)],
-                 DAEMON_READY, timeout=60)
+def start_bare(events: int, *args: str,
+               prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
+    """``benchmarks.bare_sse`` serving ``events`` events a stream, with ``args``, its
+    command after ``prefix`` (taskset)."""
+    return start([*prefix, sys.executable, "-m", "benchmarks.bare_sse", "--events",
+                  str(events), *args], DAEMON_READY, timeout=60)
 
 
 if __name__ == "__main__":

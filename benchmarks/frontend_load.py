@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -45,29 +44,17 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from benchmarks.common import cpu_seconds, py_spy, record
-from benchmarks.e2e_stream import cpu_list
+from benchmarks.bare_sse import corpus_ids
+from benchmarks.common import cpu_seconds, py_spy, record, rss_bytes
+from benchmarks.e2e_stream import cpu_list, start_bare
 from benchmarks.loadgen import Job, Run, percentile, run, run_closed
-from dpu_frontend.peer.generator import default_corpus
-from dpu_frontend.softroce.processes import DAEMON_READY, start, stop
+from dpu_frontend.softroce.processes import stop
 from dpu_frontend.text.assets import default_tokenizer_dir
 from tests.stack import running_stack
 
 #: Without ShareGPT lengths: (prompt, output) tokens of every request.
 DEFAULT_PAIR = (100, 200)
 WORD = " ring"  # one token of the bundled tokenizer, so a prompt of n words is ~n tokens
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process and its live children, from /proc."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return 0
-    own = next((int(line.split()[1]) * 1024 for line in status.splitlines()
-                if line.startswith("VmRSS:")), 0)
-    return own + sum(rss_bytes(int(child)) for child in children)
 
 
 @dataclass(frozen=True)
@@ -160,10 +147,9 @@ def bare_pipeline(cores: str | None, count: int, tokens: int, clients: int,
     JSON chunk, aiohttp write), pinned as the daemon is, ``count`` streams of ``tokens``
     events at once, one event a stream every ``step_ms`` as the peer's steps pace the
     daemon."""
-    prefix = ["taskset", "-c", cores] if cores else []
-    proc, url = start([*prefix, sys.executable, "-m", "benchmarks.bare_sse", "--events",
-                       str(tokens), "--tokenizer", str(default_tokenizer_dir()),
-                       "--step-ms", str(step_ms)], DAEMON_READY, timeout=60)
+    proc, url = start_bare(tokens, "--tokenizer", str(default_tokenizer_dir()),
+                           "--step-ms", str(step_ms),
+                           prefix=("taskset", "-c", cores) if cores else ())
     try:
         cpu0 = cpu_seconds(proc.pid)
         done = run(url, [Job("bare", tokens)] * count, float("inf"), clients=clients,
@@ -175,20 +161,18 @@ def bare_pipeline(cores: str | None, count: int, tokens: int, clients: int,
     return events / cpu if cpu else 0.0
 
 
-def bare_encode(texts: list[str]) -> tuple[float, float]:
+def bare_encode(tokenizer: Tokenizer, texts: list[str]) -> tuple[float, float]:
     """Prompts and tokens per CPU second of ``Tokenizer.encode`` alone, one thread."""
-    tokenizer = Tokenizer.from_file(str(default_tokenizer_dir() / "tokenizer.json"))
     start_cpu = time.thread_time()
     tokens = sum(len(tokenizer.encode(text).ids) for text in texts)
     cpu = time.thread_time() - start_cpu
     return len(texts) / cpu, tokens / cpu
 
 
-def bare_decode(tokens: int) -> float:
+def bare_decode(tokenizer: Tokenizer, tokens: int) -> float:
     """Tokens per CPU second of ``DecodeStream.step``, one id a step, over the peer's
     corpus (what the reference peer generates)."""
-    tokenizer = Tokenizer.from_file(str(default_tokenizer_dir() / "tokenizer.json"))
-    ids = [i for doc in default_corpus() for i in tokenizer.encode(doc).ids]
+    ids = corpus_ids(tokenizer)
     stream = DecodeStream(skip_special_tokens=True)
     start_cpu = time.thread_time()
     for k in range(tokens):
@@ -341,12 +325,13 @@ def limits(args: argparse.Namespace, work: Workload, runs: list[dict[str, Any]],
     out: dict[str, object] = {}
     texts = work.texts or [job.prompt for job in work.jobs(2000, random.Random(3))
                            if isinstance(job.prompt, str)]
-    prompts_per_s, tokens_per_s = bare_encode(texts)
+    tokenizer = Tokenizer.from_file(str(default_tokenizer_dir() / "tokenizer.json"))
+    prompts_per_s, tokens_per_s = bare_encode(tokenizer, texts)
     out["bare encode: prompts per CPU second (one thread)"] = round(prompts_per_s)
     out["bare encode: tokens per CPU second"] = round(tokens_per_s)
     if admitted:
         out["admission / bare encode"] = round(admitted / prompts_per_s, 2)
-    out["bare DecodeStream: tokens per CPU second"] = round(bare_decode(200_000))
+    out["bare DecodeStream: tokens per CPU second"] = round(bare_decode(tokenizer, 200_000))
     mean_output = round(sum(o for _, o in work.pairs) / len(work.pairs))
     # Paced, a stream of the mean output takes mean_output steps: at most --seconds.
     bare_events = max(2, int(args.seconds * 1e3 / args.step_ms))

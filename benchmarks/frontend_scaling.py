@@ -20,8 +20,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cpu_seconds, record
-from benchmarks.frontend_load import load_workload, point, rss_bytes, stack_args
+from benchmarks.common import cpu_seconds, record, rss_bytes
+from benchmarks.frontend_load import load_workload, point, stack_args
 from benchmarks.loadgen import run, run_closed
 from tests.stack import running_stack
 

@@ -197,7 +197,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 if first is None or last is None:
                     return Result(arrival, 0.0, 0.0, 0, 0)
                 return Result(arrival, first - sent, last - sent, tokens, events,
-                              tuple(b - a for a, b in itertools.pairwise(times)))
+                              _gaps(times))
             if not raw.startswith(b"data: {"):
                 continue
             if b'"error"' in raw[:16]:
@@ -219,8 +219,11 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
         # Tokens without text (random weights draw special tokens, or a lone piece
         # of a UTF-8 character): the client saw them when the stream ended.
         first = last = ended
-    gaps = tuple(b - a for a, b in itertools.pairwise(times))
-    return Result(arrival, first - sent, last - sent, tokens, events, gaps)
+    return Result(arrival, first - sent, last - sent, tokens, events, _gaps(times))
+
+
+def _gaps(times: list[float]) -> tuple[float, ...]:
+    return tuple(b - a for a, b in itertools.pairwise(times))
 
 
 def percentile(values: list[float], q: float) -> float:
