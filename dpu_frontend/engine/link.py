@@ -320,7 +320,8 @@ class PeerLink:
         else:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.idle_poll_interval_s)
+                async with asyncio.timeout(self.config.idle_poll_interval_s):
+                    await self._wake.wait()
 
     def _dispatch(self, record: ResponseRecord) -> None:
         request = self._requests.get(record.request_id)

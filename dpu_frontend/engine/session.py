@@ -88,8 +88,8 @@ class PeerSession:
                       transports: Callable[[ServeConfig], Transport] = open_transport,
                       ) -> PeerSession:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(address.host, address.port), config.connect_timeout_s)
+            async with asyncio.timeout(config.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(address.host, address.port)
         except (OSError, TimeoutError) as exc:
             raise PeerError(f"cannot reach GPU peer {address}: {exc}") from exc
         session: PeerSession | None = None
@@ -132,7 +132,8 @@ class PeerSession:
                  self.layout.instance, self.layout.version_major, self.layout.version_minor)
 
     async def _receive(self, cfg: ServeConfig) -> dict[str, Any]:
-        return await asyncio.wait_for(messages.receive(self._reader), cfg.connect_timeout_s)
+        async with asyncio.timeout(cfg.connect_timeout_s):
+            return await messages.receive(self._reader)
 
     async def _answer_challenge(self, cfg: ServeConfig, secret: bytes | None,
                                 nonce: bytes | None, message: dict[str, Any]) -> dict[str, Any]:

@@ -188,8 +188,8 @@ class PeerServer:
         peer_nonce = auth.nonce()
         await messages.send(writer, messages.Challenge(
             peer_nonce, auth.proof(secret, "peer", hello.nonce, peer_nonce)).to_dict())
-        answer = messages.Auth.from_dict(
-            await asyncio.wait_for(messages.receive(reader), AUTH_TIMEOUT_S))
+        async with asyncio.timeout(AUTH_TIMEOUT_S):
+            answer = messages.Auth.from_dict(await messages.receive(reader))
         if not auth.verify(secret, "daemon", hello.nonce, peer_nonce, answer.proof):
             log.warning("control session from %s refused: wrong secret", who)
             await messages.send(writer, messages.refuse("authentication failed", auth=True))
