@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator
 
-from dpu_frontend.engine.service import Delta, Generation, Service, TextOptions
+from dpu_frontend.engine.service import Delta, DeltaSink, Generation, Service, TextOptions
 from dpu_frontend.ring import SamplingParams
 
 MERGE_QUEUE_PER_CHOICE = 8
@@ -34,6 +34,11 @@ class Choices:
         if len(self.generations) == 1:
             return self.generations[0].batches()
         return _one_at_a_time(_merged(self.generations))
+
+    def attach(self, sink: DeltaSink) -> bool:
+        """A single sequence's deltas to ``sink`` from the poll loop (``Generation.attach``);
+        False with several (their deltas are merged by tasks) or where that one cannot."""
+        return len(self.generations) == 1 and self.generations[0].attach(sink)
 
     def cancel(self) -> None:
         """Stop every sequence still generating (a no-op for those that ended). Needed

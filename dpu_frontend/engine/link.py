@@ -306,7 +306,7 @@ class PeerLink:
             if sent is not None:
                 self.metrics.queue_time.observe(now - sent.submitted_at)
         for record in records:
-            self._dispatch(record)
+            self._dispatch(record, now)
         return len(records)
 
     async def _pace(self, channel: DpuChannel, *, busy: bool) -> None:
@@ -323,7 +323,7 @@ class PeerLink:
                 async with asyncio.timeout(self.config.idle_poll_interval_s):
                     await self._wake.wait()
 
-    def _dispatch(self, record: ResponseRecord) -> None:
+    def _dispatch(self, record: ResponseRecord, now: float) -> None:
         request = self._requests.get(record.request_id)
         if request is None:
             self.metrics.bad_records.labels(self._peer, "unknown_request").inc()
@@ -342,7 +342,7 @@ class PeerLink:
             if not record.final:
                 self._cancel_on_gpu(request)
             return
-        if request.put(record):
+        if request.put(record, now):
             return
         # The client is a whole buffer behind: cut it off rather than buffer more.
         self.metrics.aborted.labels("client_too_slow").inc()

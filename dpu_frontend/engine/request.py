@@ -15,6 +15,10 @@ from collections.abc import Callable
 from dpu_frontend.errors import DpuFrontendError
 from dpu_frontend.ring import ResponseRecord
 
+#: Takes a record (and when the poll read it) at once, in the poll loop: True when it
+#: did, False to have it buffered and the reader woken as without one.
+Direct = Callable[[ResponseRecord, float], bool]
+
 
 class RingRequest:
     """Records of one request, in order, ending with a final one (or an error).
@@ -38,16 +42,25 @@ class RingRequest:
         self._waiter: asyncio.Future[None] | None = None  # the reader, waiting
         #: When the oldest record still buffered arrived (time.monotonic()).
         self.received_at = 0.0
+        #: Set by a reader that can take records in the poll loop (``Generation.attach``):
+        #: offered each record that finds the reader parked in ``wait`` with nothing
+        #: buffered, so that the order of records is kept whichever path each takes.
+        self.direct: Direct | None = None
 
-    def put(self, record: ResponseRecord) -> bool:
-        """Buffer a record; False when the buffer is full (the caller cuts the stream)."""
+    def put(self, record: ResponseRecord, now: float) -> bool:
+        """Hand over a record the poll read at ``now``: to ``direct``, or into the buffer;
+        False when the buffer is full (the caller cuts the stream)."""
         if self.finished:
             return True
-        if len(self._records) >= self.limit:
+        records = self._records
+        if not records:
+            direct = self.direct
+            if direct is not None and self._waiter is not None and direct(record, now):
+                return True
+            self.received_at = now
+        elif len(records) >= self.limit:
             return False
-        if not self._records:
-            self.received_at = time.monotonic()
-        self._records.append(record)
+        records.append(record)
         self.finished = record.final
         self._wake()
         return True

@@ -17,7 +17,7 @@ import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.engine.pool import PeerPool
@@ -60,6 +60,18 @@ class Delta:
     #: When the daemon received the oldest record of its batch (time.monotonic(); 0:
     #: not known), for the delivery latency.
     received: float = 0.0
+
+
+class DeltaSink(Protocol):
+    """Takes a generation's deltas in the poll loop, as their records arrive
+    (``Generation.attach``): an HTTP stream's writer."""
+
+    def ready(self) -> bool:
+        """Whether it can take a delta now, without waiting (its connection's buffer is
+        empty)."""
+
+    def take(self, delta: Delta) -> None:
+        """Send ``delta`` on; it must not wait."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +218,41 @@ class Generation:
         self._vocab_size = vocab_size
         self._chars = 0  # characters detokenized so far (the next token's text offset)
         self._count = 0  # tokens received
+        self._sink: DeltaSink | None = None
+        self._broken: Exception | None = None  # raised in the poll loop, for the reader
 
     def cancel(self) -> None:
         self.request.cancel()  # a no-op once the final record was read
+
+    def attach(self, sink: DeltaSink) -> bool:
+        """Hand the deltas of this generation's records to ``sink`` in the poll loop as
+        they arrive, instead of waking the reader of ``batches`` for each: the reader
+        wakes for the last record, and for those that come while ``sink`` is not ready
+        or while it is still busy with earlier ones (the order of records is kept).
+
+        Only where a record makes at most one delta and only the last one ends the
+        sequence: not with log probabilities, not with stop strings (a stop string
+        ends it on any record). False for those: nothing is attached.
+        """
+        if self._logprobs is not None or self._stops.stops:
+            return False
+        self._sink = sink
+        self.request.direct = self._direct
+        return True
+
+    def _direct(self, record: ResponseRecord, received: float) -> bool:
+        sink = self._sink
+        if record.finish or sink is None or self._broken is not None or not sink.ready():
+            return False
+        try:
+            delta = self.convert(record, received)
+            if delta is not None:
+                sink.take(delta)
+        except Exception as exc:
+            # Not the poll loop's to handle: the reader, woken for this record, raises it.
+            self._broken = exc
+            return False
+        return True
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Deltas of the generated text; their concatenation equals the full decode of
@@ -224,6 +268,8 @@ class Generation:
         request = self.request
         try:
             while await request.wait():
+                if self._broken is not None:
+                    raise self._broken
                 batch: list[Delta] = []
                 received = request.received_at
                 for record in request.take():
@@ -242,6 +288,7 @@ class Generation:
                     if batch[-1].finish_reason is not None:
                         return
         finally:
+            request.direct = self._sink = None
             self.cancel()
 
     def convert(self, record: ResponseRecord, received: float = 0.0) -> Delta | None:

@@ -14,15 +14,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _encode_string
 from typing import Any, Generic, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from dpu_frontend.engine.choices import start_choices
-from dpu_frontend.engine.service import Delta, Service, TextOptions, TokenLogprob
+from dpu_frontend.engine.service import Delta, DeltaSink, Service, TextOptions, TokenLogprob
 from dpu_frontend.errors import ClientTooSlow, PeerError, RequestError
 from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for, random_hex
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
@@ -145,7 +145,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             async with contextlib.aclosing(choices.batches()) as batches:
                 if req.stream:
                     response = await self._stream(request, job, batches, timer,
-                                                  req.include_usage)
+                                                  req.include_usage, choices.attach)
                 else:
                     response = await self._collect(job, batches, timer)
         except asyncio.CancelledError:
@@ -188,15 +188,18 @@ class GenerationHandler(abc.ABC, Generic[Request]):
 
     async def _stream(self, request: web.Request, job: Job,
                       batches: AsyncIterator[list[Delta]], timer: RequestTimer,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, attach: Callable[[DeltaSink], bool],
+                      ) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        direct = _DirectWriter.where_possible(request, response, job, timer)
         # The status line is on the wire: from here every failure but a cancellation
         # ends the stream with an error event and [DONE]; none may reach the error
         # boundary, which would answer it with a second status line.
         try:
             try:
-                await self._events(response, job, batches, timer, include_usage)
+                await self._events(response, job, batches, timer, include_usage,
+                                   attach if direct is not None else None, direct)
             except ConnectionResetError:
                 raise
             except (RequestError, PeerError) as exc:
@@ -218,10 +221,13 @@ class GenerationHandler(abc.ABC, Generic[Request]):
 
     async def _events(self, response: web.StreamResponse, job: Job,
                       batches: AsyncIterator[list[Delta]], timer: RequestTimer,
-                      include_usage: bool) -> None:
+                      include_usage: bool, attach: Callable[[DeltaSink], bool] | None,
+                      direct: _DirectWriter | None) -> None:
         """An event a delta; the events of one batch (one poll's records) in one write:
         one system call for the lot, so that a daemon that fell behind catches up
-        cheaper."""
+        cheaper. After the first write, a plain-text stream has the poll loop write its
+        events (``_DirectWriter``) where the engine can: this loop then runs for the
+        last one, and for those that came while the connection was backed up."""
         def usage() -> dict[str, Any]:
             """The ``usage`` field of a chunk: absent, null, or the counts so far."""
             if not include_usage:
@@ -260,6 +266,13 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 timer.on_write(batch[0].received)
                 # One awaited write a batch: aiohttp applies backpressure here.
                 await response.write(b"".join(events))
+                if attach is not None and direct is not None and plain:
+                    # The headers are out with this write: from here the events of
+                    # plain-text deltas may go straight onto the connection.
+                    template = templates.get(0) or self._template(job, 0, usage())
+                    direct.template = templates[0] = template
+                    attach(direct)
+                    attach = None
         if include_usage:
             await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
 
@@ -271,6 +284,54 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         if not marker or _json_string(_MARK) in after:
             raise RuntimeError(f"{type(self).__name__}.chunk must hold the text once")
         return before, after
+
+
+class _DirectWriter:
+    """Writes the events of a plain-text stream from the poll loop (a ``DeltaSink``):
+    no wake-up of the handler, no await, one ``transport.write`` an event.
+
+    Only while the connection's buffer is empty, so that nothing waits: when the
+    client falls behind, ``ready`` is False and the handler writes, through aiohttp,
+    which waits for it (and the stream buffer cuts it off in the end). The event
+    bytes are the handler's own template; the framing is HTTP/1.1's chunked transfer
+    coding where aiohttp chose it for the response, as its own writer frames.
+    """
+
+    __slots__ = ("_chunked", "_job", "_timer", "_transport", "template")
+
+    def __init__(self, transport: asyncio.Transport, chunked: bool, job: Job,
+                 timer: RequestTimer) -> None:
+        self.template = (b"", b"")  # set by the handler before it attaches this
+        self._transport = transport
+        self._chunked = chunked
+        self._job = job
+        self._timer = timer
+
+    @classmethod
+    def where_possible(cls, request: web.Request, response: web.StreamResponse, job: Job,
+                       timer: RequestTimer) -> _DirectWriter | None:
+        """One for a stream of one choice, uncompressed, on a transport; else None."""
+        transport = request.transport
+        if job.n != 1 or len(job.prompts) != 1 or response.compression or transport is None:
+            return None
+        # aiohttp frames a response of no declared length in chunks (HTTP/1.1) and says
+        # so in the headers it sent; ``response.chunked`` is only what was asked of it.
+        chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+        return cls(transport, chunked, job, timer)
+
+    def ready(self) -> bool:
+        transport = self._transport
+        return not transport.get_write_buffer_size() and not transport.is_closing()
+
+    def take(self, delta: Delta) -> None:
+        self._timer.on_delta(delta.index, delta.completion_tokens)
+        self._job.completion_tokens[delta.index] = delta.completion_tokens
+        before, after = self.template
+        event = before + _json_string(delta.text) + after
+        self._timer.on_write(delta.received)
+        if self._chunked:
+            event = b"%x\r\n%b\r\n" % (len(event), event)
+        self._transport.write(event)
 
 
 #: Stands for the text while a template is rendered. Its JSON ("\u0000dpu-frontend
