@@ -47,7 +47,7 @@ class TokenLogprob:
     offset: int  # characters of the completion's text before this token's
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delta:
     """New text of one sequence (choice ``index`` of its request); the last one carries
     the finish reason."""

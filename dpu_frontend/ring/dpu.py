@@ -34,7 +34,7 @@ from dpu_frontend.ring.records import (
     RequestRecord,
     ResponseRecord,
     SamplingParams,
-    decode_response,
+    decode_responses,
     encode_request_body,
 )
 
@@ -306,11 +306,8 @@ class DpuChannel:
     def _parse(self, position: int, count: int, data: bytes | memoryview) -> list[ResponseRecord]:
         if position != self._resp_consumed:
             raise ValueError(f"records at {position} handed over out of order")
-        size = self.layout.resp_slot_size
-        records = [
-            decode_response(data, i * size, position + i + 1, size, self.epoch)
-            for i in range(count)
-        ]
+        records = decode_responses(data, count, position + 1, self.layout.resp_slot_size,
+                                   self.epoch)
         self._resp_consumed += count
         for record in records:
             if record.finish:  # the last record of its request (a plain int test: hot path)

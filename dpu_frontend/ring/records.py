@@ -198,7 +198,7 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()  # (id, log probability), most likely first
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseRecord:
     request_id: int
     tokens: tuple[int, ...]
@@ -272,6 +272,32 @@ def decode_response(slot: bytes | memoryview, offset: int, expected_seq: int,
         raise ProtocolError(f"response record {seq} declares {n} tokens")
     tokens = struct.unpack_from(f"<{n}I", slot, offset + RESPONSE_HEADER_SIZE)
     return ResponseRecord(request_id, tokens, reason)
+
+
+#: A response record's header and its first token id, in one unpack: the record of a
+#: decode step (one token, no log probabilities) is read with it alone.
+_HEADER_AND_TOKEN = struct.Struct(
+    f"{RESPONSE_HEADER.format}{RESPONSE_HEADER_SIZE - RESPONSE_HEADER.size}xI")
+
+
+def decode_responses(data: bytes | memoryview, count: int, first_seq: int, slot_size: int,
+                     epoch: int) -> list[ResponseRecord]:
+    """``decode_response`` of ``count`` consecutive slots of ``data``, the first with
+    sequence ``first_seq``; a one-token record is checked and read in one unpack."""
+    records: list[ResponseRecord] = []
+    append = records.append
+    unpack = _HEADER_AND_TOKEN.unpack_from
+    finishes = _FINISHES
+    known = len(finishes)
+    for i in range(count):
+        offset = i * slot_size
+        seq, request_id, record_epoch, n, finish, flags, _, token = unpack(data, offset)
+        if n == 1 and not flags and seq == first_seq + i and record_epoch == epoch \
+                and finish < known:
+            append(ResponseRecord(request_id, (token,), finishes[finish]))
+        else:  # any other record, and every check with its error
+            append(decode_response(data, offset, first_seq + i, slot_size, epoch))
+    return records
 
 
 def _decode_logprobs(slot: bytes | memoryview, offset: int, seq: int, request_id: int, n: int,

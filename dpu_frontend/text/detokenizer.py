@@ -50,7 +50,9 @@ class IncrementalDetokenizer:
             return ""
         self.ids.extend(ids)
         try:
-            text = self._stream.step(self._tokenizer, list(ids)) or ""
+            # One id as an int: a decode step's record, without a list to convert.
+            step = ids[0] if len(ids) == 1 else list(ids)
+            text = self._stream.step(self._tokenizer, step) or ""
         except Exception as exc:  # tokenizers raises a bare Exception here
             if "Invalid prefix" not in str(exc):
                 raise

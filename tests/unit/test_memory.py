@@ -1,12 +1,14 @@
-"""The daemon gives the C heap's free pages back once the tokenizer is loaded."""
+"""Once started, the daemon gives the C heap's free pages back (the tokenizer is loaded)
+and tunes the garbage collector for the objects of its tokens."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from dpu_frontend.daemon import release_free_memory
+from dpu_frontend.daemon import GC_THRESHOLDS, release_free_memory, tune_garbage_collector
 from dpu_frontend.text.assets import default_tokenizer_dir
 
 
@@ -21,3 +23,17 @@ def test_the_tokenizers_parse_leaves_no_free_heap_resident() -> None:
     assert release_free_memory()  # glibc, as on every machine this runs on
     assert resident_kib() <= before
     assert tokenizer.encode("still whole").ids  # what was in use stays in use
+
+
+def test_what_start_built_leaves_the_collectors_sight() -> None:
+    thresholds = gc.get_threshold()
+    built = [[i] for i in range(3)]  # tracked, as a started daemon's app and templates
+    try:
+        tune_garbage_collector()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_freeze_count() >= len(built)
+        seen = {id(o) for o in gc.get_objects()}  # what collections still walk
+        assert all(gc.is_tracked(o) and id(o) not in seen for o in built)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -35,6 +35,7 @@ from dpu_frontend.ring.records import (
     ResponseRecord,
     decode_request,
     decode_response,
+    decode_responses,
     encode_request_body,
     encode_response_body,
 )
@@ -101,6 +102,42 @@ def test_response_record_roundtrip(slot_size: int, data: st.DataObject, seq: int
         decode_response(slot, 0, seq ^ 1, slot_size, epoch)
     with pytest.raises(ProtocolError, match="earlier attachment"):
         decode_response(slot, 0, seq, slot_size, epoch ^ 1)
+
+
+@given(slot_size=st.sampled_from([64, 128]), first=st.integers(1, 2**40), epoch=u32.filter(bool),
+       records=st.lists(st.tuples(u64, st.lists(u32, max_size=3).map(tuple),
+                                  st.sampled_from(list(FinishReason))), max_size=6),
+       fault=st.sampled_from([None, "seq", "epoch", "finish", "flags"]), at=st.integers(0, 5))
+def test_decoding_slots_in_one_go_is_decoding_each(
+        slot_size: int, first: int, epoch: int,
+        records: list[tuple[int, tuple[int, ...], FinishReason]], fault: str | None,
+        at: int) -> None:
+    """``decode_responses`` (one unpack for a one-token record) accepts and refuses
+    exactly what ``decode_response`` does, slot by slot, with the same error."""
+    data = bytearray()
+    for i, (rid, tokens, finish) in enumerate(records):
+        data += struct.pack("<Q", first + i)
+        data += encode_response_body(ResponseRecord(rid, tokens, finish), slot_size, epoch)
+    if fault is not None and at < len(records):
+        offset = at * slot_size
+        field = {"seq": (0, "<Q", first + at + 1), "epoch": (16, "<I", epoch ^ 1),
+                 "finish": (22, "<B", 9), "flags": (23, "<B", 2)}[fault]
+        struct.pack_into(field[1], data, offset + field[0], field[2])
+    slots = bytes(data)
+    expected: list[ResponseRecord] | str = []
+    for i in range(len(records)):
+        try:
+            assert isinstance(expected, list)
+            expected.append(decode_response(slots, i * slot_size, first + i, slot_size, epoch))
+        except ProtocolError as exc:
+            expected = str(exc)
+            break
+    try:
+        got: list[ResponseRecord] | str = decode_responses(slots, len(records), first, slot_size,
+                                                           epoch)
+    except ProtocolError as exc:
+        got = str(exc)
+    assert got == expected
 
 
 def test_response_record_overflow_is_refused() -> None:
