@@ -169,8 +169,8 @@ class RequestTimer:
     itl: Samples | None = None
     delivery: Samples | None = None
 
-    def on_delta(self, index: int, completion_tokens: int) -> None:
-        now = time.monotonic()
+    def on_delta(self, index: int, completion_tokens: int, now: float = 0.0) -> None:
+        now = now or time.monotonic()
         before_time, before_tokens = self.last.get(index, (0.0, 0))
         new = completion_tokens - before_tokens
         if new <= 0:
@@ -189,14 +189,14 @@ class RequestTimer:
                 itl.flush()
         self.last[index] = (now, completion_tokens)
 
-    def on_write(self, received: float) -> None:
+    def on_write(self, received: float, now: float = 0.0) -> None:
         """Streamed events are being written for records received at ``received``."""
         if not received:
             return
         delivery = self.delivery
         if delivery is None:
             delivery = self.delivery = Samples(self.metrics.delivery)
-        delivery.add(time.monotonic() - received)
+        delivery.add((now or time.monotonic()) - received)
         if delivery.pending >= FLUSH_EVERY:
             delivery.flush()
 

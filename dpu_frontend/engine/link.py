@@ -330,7 +330,7 @@ class PeerLink:
             log.warning("peer %s: record for unknown request %d dropped", self.address,
                         record.request_id)
             return
-        if record.final:
+        if record.finish:  # final (an int test: this runs per record)
             self._end(request)
         limit = self.vocab_size
         if limit is not None and record.tokens and max(record.tokens) >= limit:

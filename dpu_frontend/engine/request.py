@@ -61,7 +61,7 @@ class RingRequest:
         elif len(records) >= self.limit:
             return False
         records.append(record)
-        self.finished = record.final
+        self.finished = record.finish != 0  # record.final, without the property call
         self._wake()
         return True
 

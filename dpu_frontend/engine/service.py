@@ -302,7 +302,8 @@ class Generation:
         else:
             pushed, lps = self._push_with_logprobs(record)
             text = stops.feed(pushed)
-        if record.final:
+        final = record.finish != 0  # record.final, without the property call: per record
+        if final:
             if record.finish not in FINISH_REASONS:
                 raise PeerError(f"GPU peer ended the request with {record.finish.name}")
             text += stops.feed(self._detok.finish())
@@ -310,7 +311,7 @@ class Generation:
         if stops.matched is not None:
             self.request.cancel()  # stop generating at once; the rest is not wanted
             return Delta(self.index, text, "stop", self._count, lps, received)
-        if record.final:
+        if final:
             return Delta(self.index, text, FINISH_REASONS[record.finish], self._count, lps,
                          received)
         if text or lps:

@@ -324,11 +324,12 @@ class _DirectWriter:
         return not transport.get_write_buffer_size() and not transport.is_closing()
 
     def take(self, delta: Delta) -> None:
-        self._timer.on_delta(delta.index, delta.completion_tokens)
+        timer, now = self._timer, time.monotonic()
+        timer.on_delta(delta.index, delta.completion_tokens, now)
+        timer.on_write(delta.received, now)
         self._job.completion_tokens[delta.index] = delta.completion_tokens
         before, after = self.template
         event = before + _json_string(delta.text) + after
-        self._timer.on_write(delta.received)
         if self._chunked:
             event = b"%x\r\n%b\r\n" % (len(event), event)
         self._transport.write(event)
