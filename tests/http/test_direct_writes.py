@@ -4,6 +4,8 @@ and a failure there ends that stream only."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -134,3 +136,37 @@ async def test_streams_with_stop_strings_or_several_choices_are_the_handlers(
             front.gpu.finish(arrival.record.request_id, finish=FinishReason.LENGTH)
         await events(resp)
     assert taken == []
+
+
+async def test_any_mix_of_the_two_ways_delivers_the_text_whole_and_in_order(
+        make_frontend: Factory, vocab: Vocabulary, taken: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records of 1-3 ids (characters split over records included), 1-4 records a
+    poll, the connection ready or not at random: the client gets the full decode of
+    the ids, in order, each time (40 seeded trials)."""
+    rng = random.Random(1207)
+    monkeypatch.setattr(_DirectWriter, "ready", lambda self: rng.random() < 0.7)
+    text = "Hello wörld, 中文 and 🙂🙂 again: ünïcödé, done."
+    generated = ids(vocab, text)
+    assert vocab.decode(list(generated)) == text
+    front = await make_frontend()
+    events_seen = 0
+    for trial in range(40):
+        resp = await front.client.post("/v1/completions", json=COMPLETION)
+        (arrival, *_) = (await front.gpu.wait_for(trial + 1))[trial:]
+        request_id = arrival.record.request_id
+        reading = asyncio.create_task(events(resp))
+        left = list(generated)
+        while left:
+            for _ in range(rng.randint(1, 4)):  # the records of one poll
+                take = rng.randint(1, 3)
+                record, left = tuple(left[:take]), left[take:]
+                if record:
+                    front.gpu.emit(request_id, record)
+            await front.gpu.wait_exchanges(2)
+        front.gpu.finish(request_id, finish=FinishReason.LENGTH)
+        got = await reading
+        assert "".join(text_of(e) for e in got) == text, f"trial {trial}"
+        assert got[-1]["choices"][0]["finish_reason"] == "length"
+        events_seen += len(got)
+    assert 0 < len(taken) < events_seen  # both ways were taken
