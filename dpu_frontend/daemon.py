@@ -28,7 +28,7 @@ from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.engine.service import Service
 from dpu_frontend.engine.session import Connector, PeerSession
 from dpu_frontend.errors import StartupError, Unavailable
-from dpu_frontend.http.app import BoundedRunner, create_app
+from dpu_frontend.http.app import AccessLog, BoundedRunner, create_app
 from dpu_frontend.http.auth import ApiKeys
 from dpu_frontend.http.tls import TlsCertificates
 from dpu_frontend.lifecycle import DAEMON_READY, announce_ready, stop_on_signals
@@ -142,7 +142,7 @@ class Daemon:
                                     idle_timeout_s=cfg.idle_timeout_s, metrics=self.metrics,
                                     handler_cancellation=True, shutdown_timeout=CLOSE_GRACE_S,
                                     access_log=logging.getLogger("dpu_frontend.access"),
-                                    access_log_format=ACCESS_FORMAT)
+                                    access_log_class=AccessLog, access_log_format=ACCESS_FORMAT)
         await self.runner.setup()
         # Workers share the port: the kernel spreads connections over them.
         self.site = web.TCPSite(self.runner, cfg.host, cfg.port,

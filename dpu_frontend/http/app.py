@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import web, web_log
 from aiohttp.typedefs import Handler, Middleware
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,7 +20,7 @@ from dpu_frontend.http import openapi
 from dpu_frontend.http.auth import ApiKeys, authenticate
 from dpu_frontend.http.chat import ChatCompletionsHandler
 from dpu_frontend.http.completions import CompletionsHandler
-from dpu_frontend.http.errors import add_request_id, boundary, error_body
+from dpu_frontend.http.errors import STREAMED_BYTES, add_request_id, boundary, error_body
 from dpu_frontend.http.tokenize import TokenizeHandlers
 from dpu_frontend.metrics import Metrics
 
@@ -140,6 +140,29 @@ def body_within(timeout_s: float) -> Middleware:
         return await handler(request)
 
     return middleware
+
+
+class AccessLog(web_log.AccessLogger):
+    """aiohttp's access log, with the size field of a stream counting the events the
+    poll loop wrote itself (``STREAMED_BYTES``) beside those aiohttp wrote."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse,
+            time: float) -> None:
+        streamed = request.get(STREAMED_BYTES, 0)
+        if streamed:
+            response = cast(web.StreamResponse, _Sized(response, streamed))
+        super().log(request, response, time)
+
+
+class _Sized:
+    """A response as the access log reads it, its ``body_length`` raised by ``extra``."""
+
+    def __init__(self, response: web.StreamResponse, extra: int) -> None:
+        self._response = response
+        self.body_length = response.body_length + extra
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._response, name)
 
 
 class BoundedRunner(web.AppRunner):

@@ -26,6 +26,9 @@ FINISH_REASON = web.RequestKey("finish_reason", str)
 REQUEST_ID = web.RequestKey("request_id", str)
 #: Set by a handler whose client went away mid-answer: counted as 499.
 CLIENT_GONE = web.RequestKey("client_gone", bool)
+#: Bytes of a stream's events that the poll loop wrote itself, past aiohttp's count: the
+#: access log's size field adds them (``http.app.AccessLog``).
+STREAMED_BYTES = web.RequestKey("streamed_bytes", int)
 #: nginx's status for "the client closed the request".
 CLIENT_CLOSED = 499
 

@@ -24,7 +24,13 @@ from aiohttp import hdrs, web
 from dpu_frontend.engine.choices import start_choices
 from dpu_frontend.engine.service import Delta, DeltaSink, Service, TextOptions, TokenLogprob
 from dpu_frontend.errors import ClientTooSlow, PeerError, RequestError
-from dpu_frontend.http.errors import CLIENT_GONE, FINISH_REASON, body_for, random_hex
+from dpu_frontend.http.errors import (
+    CLIENT_GONE,
+    FINISH_REASON,
+    STREAMED_BYTES,
+    body_for,
+    random_hex,
+)
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
@@ -217,6 +223,9 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         except Exception:
             job.error = True  # the error event itself could not be written: give up
             log.exception("%s: cannot end its stream", job.id)
+        finally:
+            if direct is not None and direct.sent:
+                request[STREAMED_BYTES] = direct.sent
         return response
 
     async def _events(self, response: web.StreamResponse, job: Job,
@@ -297,11 +306,12 @@ class _DirectWriter:
     coding where aiohttp chose it for the response, as its own writer frames.
     """
 
-    __slots__ = ("_chunked", "_job", "_timer", "_transport", "template")
+    __slots__ = ("_chunked", "_job", "_timer", "_transport", "sent", "template")
 
     def __init__(self, transport: asyncio.Transport, chunked: bool, job: Job,
                  timer: RequestTimer) -> None:
         self.template = (b"", b"")  # set by the handler before it attaches this
+        self.sent = 0  # bytes written, framing included (as aiohttp counts its own)
         self._transport = transport
         self._chunked = chunked
         self._job = job
@@ -332,6 +342,7 @@ class _DirectWriter:
         event = before + _json_string(delta.text) + after
         if self._chunked:
             event = b"%x\r\n%b\r\n" % (len(event), event)
+        self.sent += len(event)
         self._transport.write(event)
 
 

@@ -7,8 +7,10 @@ memory, so the test decides when each stream ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
+import pytest
 
 from dpu_frontend.daemon import Daemon
 from dpu_frontend.ring import FinishReason
@@ -67,3 +69,28 @@ async def test_a_drain_that_times_out_ends_the_streams_with_an_error(
     assert aborted(daemon, "drain_timeout") == 1
     await peer.gpu.wait_for(1, cancels=1)  # its generation is stopped on the GPU too
     peer.gpu.finish(arrival.record.request_id, finish=FinishReason.CANCELLED)
+
+
+async def test_the_access_log_counts_the_events_the_poll_loop_wrote(
+        daemons: list[Daemon], peer: LoopbackPeer, vocab: Vocabulary,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The size field of a streamed answer is every byte of it on the wire (the chunk
+    framing with it), the events written from the poll loop included."""
+    daemon = await start_daemon(daemons, peer)
+    url = f"http://127.0.0.1:{daemon.port}"
+    caplog.set_level(logging.INFO, logger="dpu_frontend.access")
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{url}/v1/completions", json=LONG)
+        (arrival,) = await peer.gpu.wait_for(1)
+        request_id = arrival.record.request_id
+        body = b""
+        for word in (" Once", " upon", " a", " time", " there", " was"):
+            peer.gpu.emit(request_id, tuple(vocab.encode(word, add_special_tokens=False)))
+            body += await resp.content.readuntil(b"\n\n")  # one poll a record
+        peer.gpu.finish(request_id, finish=FinishReason.LENGTH)
+        body += await resp.read()
+    await daemon.drain()  # the handler has ended, and logged
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "dpu_frontend.access"
+               and "/v1/completions" in r.getMessage()]
+    size = int(line.split('" ', 1)[1].split()[1])  # "%r" %s %b
+    assert size > len(body)  # the body, its framing and the headers
