@@ -258,6 +258,11 @@ class PeerLink:
             for task in (poll, ended):
                 task.cancel()
             await asyncio.gather(poll, ended, return_exceptions=True)
+            # The failure's traceback holds this frame, which holds the tasks, which hold
+            # the failure: a cycle that, for the first session (frozen out of the
+            # collector's sight after start, daemon.tune_garbage_collector), would never
+            # be freed.
+            del poll, ended
 
     async def _poll(self, session: Session) -> None:
         """Poll forever; every way out is a ``PeerError``."""

@@ -54,8 +54,10 @@ class RingRequest:
             return True
         records = self._records
         if not records:
-            direct = self.direct
-            if direct is not None and self._waiter is not None and direct(record, now):
+            direct, waiter = self.direct, self._waiter
+            # The reader parked, and not cancelled there (its task not yet run since).
+            if direct is not None and waiter is not None and not waiter.done() \
+                    and direct(record, now):
                 return True
             self.received_at = now
         elif len(records) >= self.limit:

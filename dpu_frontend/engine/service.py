@@ -242,9 +242,11 @@ class Generation:
 
     def _direct(self, record: ResponseRecord, received: float) -> bool:
         sink = self._sink
-        if record.finish or sink is None or self._broken is not None or not sink.ready():
+        if record.finish or sink is None or self._broken is not None:
             return False
         try:
+            if not sink.ready():
+                return False
             delta = self.convert(record, received)
             if delta is not None:
                 sink.take(delta)
@@ -269,7 +271,9 @@ class Generation:
         try:
             while await request.wait():
                 if self._broken is not None:
-                    raise self._broken
+                    # Raised once, and let go: it holds the poll loop's frames.
+                    broken, self._broken = self._broken, None
+                    raise broken
                 batch: list[Delta] = []
                 received = request.received_at
                 for record in request.take():

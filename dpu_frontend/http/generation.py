@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring as _encode_string
 from typing import Any, Generic, TypeVar
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from dpu_frontend.engine.choices import start_choices
 from dpu_frontend.engine.service import Delta, DeltaSink, Service, TextOptions, TokenLogprob
@@ -197,6 +197,10 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                       include_usage: bool, attach: Callable[[DeltaSink], bool],
                       ) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
+        if request.version < HttpVersion11:
+            # No chunked coding before HTTP/1.1: the stream's end is the connection's,
+            # even where the client asked to keep it alive.
+            response.force_close()
         await response.prepare(request)
         direct = _DirectWriter.where_possible(request, response, job, timer)
         # The status line is on the wire: from here every failure but a cancellation
@@ -276,8 +280,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 # One awaited write a batch: aiohttp applies backpressure here.
                 await response.write(b"".join(events))
                 if attach is not None and direct is not None and plain:
-                    # The headers are out with this write: from here the events of
-                    # plain-text deltas may go straight onto the connection.
+                    # After the first event, in order behind it: from here the events
+                    # of plain-text deltas may go straight onto the connection.
                     template = templates.get(0) or self._template(job, 0, usage())
                     direct.template = templates[0] = template
                     attach(direct)
@@ -299,9 +303,11 @@ class _DirectWriter:
     """Writes the events of a plain-text stream from the poll loop (a ``DeltaSink``):
     no wake-up of the handler, no await, one ``transport.write`` an event.
 
-    Only while the connection's buffer is empty, so that nothing waits: when the
+    Only while the transport's write buffer is empty, so that nothing waits: when the
     client falls behind, ``ready`` is False and the handler writes, through aiohttp,
-    which waits for it (and the stream buffer cuts it off in the end). The event
+    which waits for it (and the stream buffer cuts it off in the end). Over TLS the
+    transport's buffer is the TLS layer's, which fills only once the socket's own
+    (some 64 KiB) is full: a client behind is noticed that much later. The event
     bytes are the handler's own template; the framing is HTTP/1.1's chunked transfer
     coding where aiohttp chose it for the response, as its own writer frames.
     """

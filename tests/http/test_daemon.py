@@ -7,6 +7,7 @@ memory, so the test decides when each stream ends.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -94,3 +95,31 @@ async def test_the_access_log_counts_the_events_the_poll_loop_wrote(
                and "/v1/completions" in r.getMessage()]
     size = int(line.split('" ', 1)[1].split()[1])  # "%r" %s %b
     assert size > len(body)  # the body, its framing and the headers
+
+
+async def test_an_http_1_0_stream_ends_with_its_connection(
+        daemons: list[Daemon], peer: LoopbackPeer, vocab: Vocabulary) -> None:
+    """HTTP/1.0 has no chunked coding: the end of a stream is the connection closing,
+    also when the client asked for keep-alive (it would wait for the idle timeout)."""
+    daemon = await start_daemon(daemons, peer)
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    body = json.dumps(LONG).encode()
+    writer.write(b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+                 % (len(body), body))
+    try:
+        (arrival,) = await peer.gpu.wait_for(1)
+        request_id = arrival.record.request_id
+        for word in (" Once", " upon", " a", " time"):  # a record a poll: direct writes
+            peer.gpu.emit(request_id, tuple(vocab.encode(word, add_special_tokens=False)))
+            await peer.gpu.wait_exchanges(2)
+        peer.gpu.finish(request_id, finish=FinishReason.LENGTH)
+        async with asyncio.timeout(10):
+            answer = await reader.read()  # to the end: the daemon closes the connection
+    finally:
+        writer.close()
+    head, _, stream = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in stream.split(b"\n\n")
+             if line.startswith(b"data: {")]
+    assert "".join(texts) == " Once upon a time" and stream.endswith(b"data: [DONE]\n\n")

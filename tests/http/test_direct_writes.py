@@ -63,8 +63,8 @@ async def test_records_of_one_poll_each_are_written_by_the_poll_loop(
     front.gpu.finish(request_id, finish=FinishReason.LENGTH)
     rest = await events(resp)
     assert got == list(WORDS) and rest[-1]["choices"][0]["finish_reason"] == "length"
-    # The first event goes out with the headers, through the handler; the last record
-    # wakes it to end the stream; those between were the poll loop's.
+    # The first event goes out through the handler, which then attaches the writer; the
+    # last record wakes it to end the stream; those between were the poll loop's.
     assert taken == list(WORDS[1:])
     await front.service.pool.wait_idle()
     tokens = front.metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_count")
@@ -83,7 +83,7 @@ async def test_a_backed_up_connection_has_the_handler_write_and_the_order_holds(
     (arrival,) = await front.gpu.wait_for(1)
     request_id = arrival.record.request_id
     front.gpu.emit(request_id, ids(vocab, " first"))
-    assert text_of(await next_event(resp)) == " first"  # the handler's: the headers
+    assert text_of(await next_event(resp)) == " first"  # the handler's, before attaching
     for word in WORDS:  # one poll: the 1st direct, the 2nd not ready, so the rest buffer
         front.gpu.emit(request_id, ids(vocab, word))
     front.gpu.finish(request_id, finish=FinishReason.LENGTH)
@@ -92,9 +92,11 @@ async def test_a_backed_up_connection_has_the_handler_write_and_the_order_holds(
     assert taken == [WORDS[0]]
 
 
+@pytest.mark.parametrize("method", ["ready", "take"])
 async def test_a_failure_in_the_poll_loops_write_ends_that_stream_only(
-        make_frontend: Factory, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: _DirectWriter, delta: Any) -> None:
+        make_frontend: Factory, vocab: Vocabulary, monkeypatch: pytest.MonkeyPatch,
+        method: str) -> None:
+    def broken(self: _DirectWriter, *delta: Any) -> None:
         raise RuntimeError("the writer broke")
 
     front = await make_frontend()
@@ -103,7 +105,7 @@ async def test_a_failure_in_the_poll_loops_write_ends_that_stream_only(
     request_id = arrival.record.request_id
     front.gpu.emit(request_id, ids(vocab, " first"))
     assert text_of(await next_event(resp)) == " first"
-    monkeypatch.setattr(_DirectWriter, "take", broken)
+    monkeypatch.setattr(_DirectWriter, method, broken)
     front.gpu.emit(request_id, ids(vocab, " second"))
     rest = await events(resp)
     assert rest[-1]["error"]["type"] == "internal_error"
