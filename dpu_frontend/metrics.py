@@ -117,14 +117,20 @@ class Metrics:
         return bytes(generate_latest(registry))
 
 
+#: Samples a request keeps before adding them to their histogram (and at its end): a
+#: scrape sees a long stream's latencies within this many tokens.
+FLUSH_EVERY = 64
+
+
 class Samples:
     """Observations of one histogram gathered in place and added to it in one go
-    (``flush``): the same counts and sum as one ``observe`` each, for a fraction of the
-    cost. The inter-token latency is sampled once per token of a GPU step; observing
-    each one took 3 us of a token's 40 (a lock and a value per bucket), counting it
-    here takes a bisect. This reaches into prometheus-client's histogram (its bounds,
-    its per-bucket and sum values), which every version from the lower bound up has;
-    tests/unit/test_metrics.py holds it to ``observe``'s results."""
+    (``flush``, by itself every ``FLUSH_EVERY``): the same counts and sum as one
+    ``observe`` each, for a fraction of the cost. The inter-token latency is sampled
+    once per token of a GPU step; observing each one took 3 us of a token's 40 (a lock
+    and a value per bucket), counting it here takes a bisect. This reaches into
+    prometheus-client's histogram (its bounds, its per-bucket and sum values), which
+    every version from the lower bound up has; tests/unit/test_metrics.py holds it to
+    ``observe``'s results."""
 
     __slots__ = ("_bounds", "_counts", "_histogram", "_sum", "pending")
 
@@ -139,6 +145,8 @@ class Samples:
         self._counts[bisect_left(self._bounds, amount)] += 1  # the first bound >= amount
         self._sum += amount
         self.pending += 1
+        if self.pending >= FLUSH_EVERY:
+            self.flush()
 
     def flush(self) -> None:
         if not self.pending:
@@ -151,11 +159,6 @@ class Samples:
         self._histogram._sum.inc(self._sum)
         self._sum = 0.0
         self.pending = 0
-
-
-#: Samples a request keeps before adding them to their histogram (and at its end): a
-#: scrape sees a long stream's latencies within this many tokens.
-FLUSH_EVERY = 64
 
 
 @dataclass(slots=True)
@@ -185,8 +188,6 @@ class RequestTimer:
             if itl is None:
                 itl = self.itl = Samples(self.metrics.itl)
             itl.add((now - before_time) / new)
-            if itl.pending >= FLUSH_EVERY:
-                itl.flush()
         self.last[index] = (now, completion_tokens)
 
     def on_write(self, received: float, now: float = 0.0) -> None:
@@ -197,8 +198,6 @@ class RequestTimer:
         if delivery is None:
             delivery = self.delivery = Samples(self.metrics.delivery)
         delivery.add((now or time.monotonic()) - received)
-        if delivery.pending >= FLUSH_EVERY:
-            delivery.flush()
 
     def finish(self, prompt_tokens: int) -> None:
         for samples in (self.itl, self.delivery):
