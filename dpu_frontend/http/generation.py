@@ -202,14 +202,13 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             # even where the client asked to keep it alive.
             response.force_close()
         await response.prepare(request)
-        direct = _DirectWriter.where_possible(request, response, job, timer)
+        direct = _DirectWriter.where_possible(request, response, job, timer, attach)
         # The status line is on the wire: from here every failure but a cancellation
         # ends the stream with an error event and [DONE]; none may reach the error
         # boundary, which would answer it with a second status line.
         try:
             try:
-                await self._events(response, job, batches, timer, include_usage,
-                                   attach if direct is not None else None, direct)
+                await self._events(response, job, batches, timer, include_usage, direct)
             except ConnectionResetError:
                 raise
             except (RequestError, PeerError) as exc:
@@ -234,8 +233,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
 
     async def _events(self, response: web.StreamResponse, job: Job,
                       batches: AsyncIterator[list[Delta]], timer: RequestTimer,
-                      include_usage: bool, attach: Callable[[DeltaSink], bool] | None,
-                      direct: _DirectWriter | None) -> None:
+                      include_usage: bool, direct: _DirectWriter | None) -> None:
         """An event a delta; the events of one batch (one poll's records) in one write:
         one system call for the lot, so that a daemon that fell behind catches up
         cheaper. After the first write, a plain-text stream has the poll loop write its
@@ -253,6 +251,13 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         # null) is the same bytes each time but for the text: rendered once per choice,
         # then filled in (one event a token; the whole chunk as JSON cost 3.5 us).
         templates: dict[int, tuple[bytes, bytes]] = {}
+
+        def template(index: int) -> tuple[bytes, bytes]:
+            found = templates.get(index)
+            if found is None:
+                found = templates[index] = self._template(job, index, usage())
+            return found
+
         plain = not job.usage_each_chunk
         async for batch in batches:
             events: list[bytes] = []
@@ -264,11 +269,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                         job.finish[delta.index] = delta.finish_reason
                     if (delta.finish_reason is None and plain and delta.text
                             and not delta.logprobs):
-                        template = templates.get(delta.index)
-                        if template is None:
-                            template = templates[delta.index] = self._template(
-                                job, delta.index, usage())
-                        events.append(template[0] + _json_string(delta.text) + template[1])
+                        before, after = template(delta.index)
+                        events.append(before + _json_string(delta.text) + after)
                     elif delta.text or delta.finish_reason or delta.logprobs:
                         events.append(_event(self.chunk(job, delta) | usage()))
             except Exception:
@@ -279,13 +281,10 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 timer.on_write(batch[0].received)
                 # One awaited write a batch: aiohttp applies backpressure here.
                 await response.write(b"".join(events))
-                if attach is not None and direct is not None and plain:
+                if direct is not None and plain and not direct.started:
                     # After the first event, in order behind it: from here the events
                     # of plain-text deltas may go straight onto the connection.
-                    template = templates.get(0) or self._template(job, 0, usage())
-                    direct.template = templates[0] = template
-                    attach(direct)
-                    attach = None
+                    direct.start(template(0))
         if include_usage:
             await _send(response, envelope(job, self.chunk_object, []) | {"usage": job.usage()})
 
@@ -312,20 +311,30 @@ class _DirectWriter:
     coding where aiohttp chose it for the response, as its own writer frames.
     """
 
-    __slots__ = ("_chunked", "_job", "_timer", "_transport", "sent", "template")
+    __slots__ = ("_attach", "_chunked", "_job", "_timer", "_transport", "sent", "started",
+                 "template")
 
     def __init__(self, transport: asyncio.Transport, chunked: bool, job: Job,
-                 timer: RequestTimer) -> None:
-        self.template = (b"", b"")  # set by the handler before it attaches this
+                 timer: RequestTimer, attach: Callable[[DeltaSink], bool]) -> None:
+        self.template = (b"", b"")  # the plain-text event around its text, from ``start``
+        self.started = False
         self.sent = 0  # bytes written, framing included (as aiohttp counts its own)
         self._transport = transport
         self._chunked = chunked
         self._job = job
         self._timer = timer
+        self._attach = attach  # the stream's engine side: ``Choices.attach``
+
+    def start(self, template: tuple[bytes, bytes]) -> None:
+        """Once, after the handler's first event: attach to the stream's generation, where
+        it can take this writer (one choice, no stop strings, no log probabilities)."""
+        self.template, self.started = template, True
+        self._attach(self)
 
     @classmethod
     def where_possible(cls, request: web.Request, response: web.StreamResponse, job: Job,
-                       timer: RequestTimer) -> _DirectWriter | None:
+                       timer: RequestTimer, attach: Callable[[DeltaSink], bool],
+                       ) -> _DirectWriter | None:
         """One for a stream of one choice, uncompressed, on a transport; else None."""
         transport = request.transport
         if job.n != 1 or len(job.prompts) != 1 or response.compression or transport is None:
@@ -333,7 +342,7 @@ class _DirectWriter:
         # aiohttp frames a response of no declared length in chunks (HTTP/1.1) and says
         # so in the headers it sent; ``response.chunked`` is only what was asked of it.
         chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
-        return cls(transport, chunked, job, timer)
+        return cls(transport, chunked, job, timer, attach)
 
     def ready(self) -> bool:
         transport = self._transport
