@@ -38,6 +38,11 @@ def vocab() -> Vocabulary:
     return Vocabulary.load(default_tokenizer_dir())
 
 
+
+def ids(vocab: Vocabulary, text: str) -> tuple[int, ...]:
+    """``text`` as the token ids a GPU would emit for it (no special tokens)."""
+    return tuple(vocab.encode(text, add_special_tokens=False))
+
 @dataclass
 class Frontend:
     client: TestClient[Any, Any]

@@ -17,7 +17,7 @@ from dpu_frontend.daemon import Daemon
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.engine.loopback import LoopbackPeer
-from tests.http.conftest import MODEL, events, next_event, start_daemon
+from tests.http.conftest import MODEL, events, ids, next_event, start_daemon
 
 LONG = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1000, "stream": True}
 
@@ -39,7 +39,7 @@ async def test_a_drain_refuses_new_work_and_lets_open_streams_finish(
         resp = await http.post(f"{url}/v1/completions", json=LONG)
         (arrival,) = await peer.gpu.wait_for(1)
         request_id = arrival.record.request_id
-        peer.gpu.emit(request_id, tuple(vocab.encode(" Once", add_special_tokens=False)))
+        peer.gpu.emit(request_id, ids(vocab, " Once"))
         assert "error" not in await next_event(resp)
 
         drain = asyncio.create_task(daemon.drain())
@@ -51,7 +51,7 @@ async def test_a_drain_refuses_new_work_and_lets_open_streams_finish(
             assert refused.status == 503 and refused.headers["Retry-After"] == "1"
         assert not drain.done()
 
-        peer.gpu.finish(request_id, tuple(vocab.encode(" upon", add_special_tokens=False)))
+        peer.gpu.finish(request_id, ids(vocab, " upon"))
         rest = await events(resp)
         assert rest[-1]["choices"][0]["finish_reason"] == "stop"
         await drain
@@ -86,7 +86,7 @@ async def test_the_access_log_counts_the_events_the_poll_loop_wrote(
         request_id = arrival.record.request_id
         body = b""
         for word in (" Once", " upon", " a", " time", " there", " was"):
-            peer.gpu.emit(request_id, tuple(vocab.encode(word, add_special_tokens=False)))
+            peer.gpu.emit(request_id, ids(vocab, word))
             body += await resp.content.readuntil(b"\n\n")  # one poll a record
         peer.gpu.finish(request_id, finish=FinishReason.LENGTH)
         body += await resp.read()
@@ -111,7 +111,7 @@ async def test_an_http_1_0_stream_ends_with_its_connection(
         (arrival,) = await peer.gpu.wait_for(1)
         request_id = arrival.record.request_id
         for word in (" Once", " upon", " a", " time"):  # a record a poll: direct writes
-            peer.gpu.emit(request_id, tuple(vocab.encode(word, add_special_tokens=False)))
+            peer.gpu.emit(request_id, ids(vocab, word))
             await peer.gpu.wait_exchanges(2)
         peer.gpu.finish(request_id, finish=FinishReason.LENGTH)
         async with asyncio.timeout(10):

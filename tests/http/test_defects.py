@@ -25,7 +25,7 @@ from dpu_frontend.text.chat_template import MAX_NESTING
 from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.tokenizer import COUNT_CHUNK_CHARS, Vocabulary
 from tests.engine.loopback import LoopbackPeer
-from tests.http.conftest import MODEL, Factory, Frontend, events, start_daemon
+from tests.http.conftest import MODEL, Factory, Frontend, events, ids, start_daemon
 
 GENERATION = ["/v1/completions", "/v1/chat/completions"]
 BODY_ROUTES = [*GENERATION, "/tokenize", "/detokenize"]
@@ -343,8 +343,8 @@ async def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(
     wire = asyncio.create_task(post_on_the_wire(front, path, body))
     (arrival,) = await front.gpu.wait_for(1)
     request_id = arrival.record.request_id
-    front.gpu.emit(request_id, tuple(vocab.encode(" Hello", add_special_tokens=False)))
-    front.gpu.emit(request_id, tuple(vocab.encode(" world", add_special_tokens=False)))
+    front.gpu.emit(request_id, ids(vocab, " Hello"))
+    front.gpu.emit(request_id, ids(vocab, " world"))
     status_lines, headers, raw_body = split_response(await wire)
     assert status_lines == [b"HTTP/1.1 200 OK"]  # and no second one inside the body
     assert headers["Content-Type"] == "text/event-stream"

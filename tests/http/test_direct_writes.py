@@ -13,16 +13,12 @@ import pytest
 from dpu_frontend.http.generation import _DirectWriter
 from dpu_frontend.ring import FinishReason
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.http.conftest import MODEL, Factory, events, next_event
+from tests.http.conftest import MODEL, Factory, events, ids, next_event
 
 WORDS = (" red", " green", " blue", " yellow")
 COMPLETION = {"model": MODEL, "prompt": "Colours?", "max_tokens": 1000, "stream": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Colours?"}],
         "max_tokens": 1000, "stream": True}
-
-
-def ids(vocab: Vocabulary, text: str) -> tuple[int, ...]:
-    return tuple(vocab.encode(text, add_special_tokens=False))
 
 
 def text_of(event: dict[str, Any]) -> str:

@@ -17,13 +17,9 @@ from dpu_frontend.errors import TransportError
 from dpu_frontend.ring import FinishReason, Geometry
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.engine.loopback import LoopbackGpu
-from tests.http.conftest import MODEL, Factory, events, next_event
+from tests.http.conftest import MODEL, Factory, events, ids, next_event
 
 LONG = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1000, "stream": True}
-
-
-def ids(vocab: Vocabulary, text: str) -> tuple[int, ...]:
-    return tuple(vocab.encode(text, add_special_tokens=False))
 
 
 async def test_n_choices_are_merged_each_with_its_own_text(

@@ -21,7 +21,7 @@ from dpu_frontend.http.tls import TlsCertificates
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.engine.conftest import serve_config
 from tests.engine.loopback import LoopbackPeer
-from tests.http.conftest import MODEL, events, next_event, start_daemon
+from tests.http.conftest import MODEL, events, ids, next_event, start_daemon
 from tests.tls import Files, handshake, served, trusting
 
 LONG = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 1000, "stream": True}
@@ -81,7 +81,7 @@ async def test_a_reload_serves_the_new_certificate_and_open_streams_keep_theirs(
         assert served(stream) == old
         (arrival,) = await peer.gpu.wait_for(1)
         request_id = arrival.record.request_id
-        peer.gpu.emit(request_id, tuple(vocab.encode(" Once", add_special_tokens=False)))
+        peer.gpu.emit(request_id, ids(vocab, " Once"))
         assert "error" not in await next_event(stream)
 
         new = files.install(ca.issue_cert("127.0.0.1", "localhost"))
@@ -93,7 +93,7 @@ async def test_a_reload_serves_the_new_certificate_and_open_streams_keep_theirs(
             assert health.status == 200
 
         # The stream opened before the reload runs to its end on its own session.
-        peer.gpu.finish(request_id, tuple(vocab.encode(" upon", add_special_tokens=False)))
+        peer.gpu.finish(request_id, ids(vocab, " upon"))
         assert served(stream) == old
         rest = await events(stream)
         assert rest[-1]["choices"][0]["finish_reason"] == "stop"
