@@ -29,6 +29,9 @@ LIBRARY = "libdpuf_peer"
 #: The model's record writer (``dpu_frontend.model.publish``).
 RECORDS_SOURCES = ("record_writer.cu", "record_writer.h", "ring_protocol.h")
 RECORDS_LIBRARY = "libdpuf_records"
+#: The GPU scheduler's core built for the host (``dpu_frontend.gpu.sched_core``, the tests).
+SCHED_HOST_SOURCES = ("sched_host.c", "sched_core.h")
+SCHED_HOST_LIBRARY = "libdpuf_sched_host"
 
 
 def source_dir() -> Path:
@@ -60,10 +63,21 @@ def build_command(nvcc: str, arch: str, output: Path,
             f"-I{src}", str(src / sources[0]), "-o", str(output)]
 
 
+def host_build_command(output: Path, sources: tuple[str, ...]) -> list[str]:
+    """A C library for the host (a .c first in ``sources``)."""
+    compiler = next((cc for cc in ("cc", "gcc", "clang") if shutil.which(cc)), None)
+    if compiler is None:
+        raise StartupError("no C compiler: deploy/dev.sh setup installs gcc")
+    src = source_dir()
+    return [compiler, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+            "-fvisibility=hidden", f"-I{src}", str(src / sources[0]), "-o", str(output)]
+
+
 def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
           sources: tuple[str, ...] = SOURCES, library: str = LIBRARY) -> Path:
     """The library of ``sources`` (the .cu first) for ``arch``, built now unless
-    already cached."""
+    already cached; a .c first is built for the host with the C compiler (``arch``
+    names the cache entry only)."""
     src = source_dir()
     digest = hashlib.sha256(arch.encode())
     for name in sources:
@@ -73,11 +87,12 @@ def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
         return output
     build_dir.mkdir(parents=True, exist_ok=True)
     partial = output.with_suffix(f".{os.getpid()}.tmp")
-    command = build_command(find_nvcc(nvcc), arch, partial, sources)
+    command = (host_build_command(partial, sources) if sources[0].endswith(".c")
+               else build_command(find_nvcc(nvcc), arch, partial, sources))
     log.info("building %s: %s", library, " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise StartupError(f"nvcc failed ({done.returncode}):\n{done.stderr.strip()}")
+        raise StartupError(f"{command[0]} failed ({done.returncode}):\n{done.stderr.strip()}")
     partial.replace(output)  # atomic: a concurrent start never loads a half-written file
     return output
 

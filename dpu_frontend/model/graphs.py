@@ -31,75 +31,42 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from dpu_frontend.model.metadata import StepInputs
+from dpu_frontend.model.metadata import GraphShape, StepInputs, graph_for, graph_shapes
 from dpu_frontend.model.qwen3 import Attention, Qwen3
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-#: Token buckets of the mixed graphs (the engine's default token budget is 2,048).
-TOKEN_BUCKETS = (256, 512, 1024, 2048)
 
 
 class StepGraph:
-    """One captured step of fixed sizes: ``tokens`` rows, ``seqs`` sequences,
-    ``tiles`` attention tiles, ``samples`` logits rows (``None``: every row, as a
-    decode step has)."""
+    """One captured step of fixed sizes (``GraphShape``)."""
 
-    def __init__(self, tokens: int, seqs: int, tiles: int, samples: int | None,
-                 max_blocks: int, device: torch.device) -> None:
-        buffers = (("slots", np.int64, (tokens,)), ("positions", np.int64, (tokens,)),
-                   ("cache_slots", np.int64, (tokens,)),
-                   ("sample_rows", np.int64, (samples or 0,)),
-                   ("tables", np.int32, (seqs, max_blocks)), ("tile_seq", np.int32, (tiles,)),
-                   ("tile_row", np.int32, (tiles,)), ("q_start", np.int32, (seqs,)),
-                   ("q_len", np.int32, (seqs,)), ("ctx_start", np.int32, (seqs,)))
-        spans, total = [], 0
-        for name, dtype, shape in buffers:
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            spans.append((name, dtype, shape, total, nbytes))
-            total += -(-nbytes // 8) * 8  # every field 8-byte aligned
-        self.tokens, self.seqs, self.tiles, self.samples = tokens, seqs, tiles, samples
-        self.inputs = torch.zeros(total, dtype=torch.uint8, device=device)
+    def __init__(self, shape: GraphShape, device: torch.device) -> None:
+        self.shape = shape
+        self.tokens, self.seqs, self.tiles, self.samples = (shape.tokens, shape.seqs, shape.tiles,
+                                                            shape.samples)
+        self.inputs = torch.zeros(shape.nbytes, dtype=torch.uint8, device=device)
         # Two host buffers, used in turn: with the engine's steps overlapped, the next
         # step's inputs are written while this one's copy may still wait in the stream.
-        self.staging = [torch.zeros(total, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.staging = [torch.zeros(shape.nbytes, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(2)]
         self.copied = [torch.cuda.Event() for _ in range(2)]  # each buffer's last copy done
         self.turn = 0
-        self.hosts: list[dict[str, np.ndarray]] = [{} for _ in range(2)]
+        self.hosts = [shape.views(staging.numpy()) for staging in self.staging]
         self.views: dict[str, torch.Tensor] = {}
-        for name, dtype, shape, offset, nbytes in spans:
-            for staging, host in zip(self.staging, self.hosts, strict=True):
-                host[name] = staging.numpy()[offset:offset + nbytes].view(dtype).reshape(shape)
+        for name, dtype, shape_, offset, nbytes in shape.spans():
             self.views[name] = (self.inputs[offset:offset + nbytes]
                                 .view(torch.int64 if dtype == np.int64 else torch.int32)
-                                .view(shape))
+                                .view(shape_))
         self.attn = Attention(**{f.name: self.views[f.name] for f in fields(Attention)})
         self.graph = torch.cuda.CUDAGraph()
         self.logits = torch.empty(0)
 
     def fits(self, step: StepInputs) -> bool:
-        return (len(step.slots) <= self.tokens and len(step.q_len) < self.seqs + (
-            self.samples is None) and len(step.tile_seq) <= self.tiles
-            and (self.samples is None or len(step.sample_rows) <= self.samples))
+        return self.shape.fits(step)
 
     def load(self, step: StepInputs, scratch_slot: int) -> None:
         """The step's inputs into the static buffers; the rest is padding."""
         turn = self.turn = self.turn ^ 1
         self.copied[turn].synchronize()  # two steps back: long done in an overlapped engine
-        h = self.hosts[turn]
-        t, s, tiles = len(step.slots), len(step.q_len), len(step.tile_seq)
-        h["slots"][:t], h["slots"][t:] = step.slots, 0
-        h["positions"][:t], h["positions"][t:] = step.positions, 0
-        h["cache_slots"][:t], h["cache_slots"][t:] = step.cache_slots, scratch_slot
-        h["tables"][:] = 0
-        h["tables"][:s, :step.tables.shape[1]] = step.tables
-        for name in ("q_start", "q_len", "ctx_start"):
-            h[name][:s], h[name][s:] = getattr(step, name), 0
-        # Padding tiles belong to the last sequence: padding, no query token.
-        h["tile_seq"][:tiles], h["tile_seq"][tiles:] = step.tile_seq, self.seqs - 1
-        h["tile_row"][:tiles], h["tile_row"][tiles:] = step.tile_row, 0
-        if self.samples is not None:
-            n = len(step.sample_rows)
-            h["sample_rows"][:n], h["sample_rows"][n:] = step.sample_rows, 0
+        self.shape.fill(self.hosts[turn], step, scratch_slot)
         self.inputs.copy_(self.staging[turn], non_blocking=True)
         self.copied[turn].record()
 
@@ -120,38 +87,33 @@ class StepGraph:
 
 
 class StepGraphs:
+    """Every captured step, in ``metadata.graph_shapes``' order."""
+
     def __init__(self, model: Qwen3, tokens: torch.Tensor, max_seqs: int, max_blocks: int,
                  scratch_slot: int) -> None:
         self.model = model
         self.tokens = tokens
-        self.max_seqs = max_seqs
-        self.max_blocks = max_blocks
         self.scratch_slot = scratch_slot
-        self.sizes = [b for b in BUCKETS if b < max_seqs] + [max_seqs]
-        self.decode: dict[int, StepGraph] = {}
-        self.mixed: dict[int, StepGraph] = {}
+        self.shapes = graph_shapes(max_seqs, max_blocks)
+        self.graphs: list[StepGraph] = []
 
     def capture(self) -> None:
         device = self.tokens.device
         pool = torch.cuda.graph_pool_handle()
-        # Largest first: the smaller graphs reuse its memory from the shared pool.
-        for t in sorted(TOKEN_BUCKETS, reverse=True):
-            # One sequence more than the engine runs: the padding tiles' own.
-            graph = StepGraph(t, self.max_seqs + 1, t, self.max_seqs, self.max_blocks, device)
-            graph.capture(self.model, self.tokens, pool)
-            self.mixed[t] = graph
-        for size in sorted(self.sizes, reverse=True):
-            graph = StepGraph(size, size, size, None, self.max_blocks, device)
-            graph.capture(self.model, self.tokens, pool)
-            self.decode[size] = graph
-        # Smallest first: ``graph_for`` takes the first that fits.
-        self.decode = dict(sorted(self.decode.items()))
-        self.mixed = dict(sorted(self.mixed.items()))
+        graphs: dict[int, StepGraph] = {}
+        # Largest first (the mixed graphs, then the decode graphs): the smaller graphs
+        # reuse its memory from the shared pool.
+        decode = [i for i, s in enumerate(self.shapes) if s.samples is None]
+        mixed = [i for i, s in enumerate(self.shapes) if s.samples is not None]
+        for i in [*reversed(mixed), *reversed(decode)]:
+            graphs[i] = StepGraph(self.shapes[i], device)
+            graphs[i].capture(self.model, self.tokens, pool)
+        self.graphs = [graphs[i] for i in range(len(self.shapes))]
 
     def graph_for(self, step: StepInputs) -> StepGraph | None:
         """The smallest graph that holds ``step``; None: it runs eagerly."""
-        family = self.decode if step.decode else self.mixed
-        return next((g for g in family.values() if g.fits(step)), None)
+        i = graph_for(self.shapes, step)
+        return None if i is None else self.graphs[i]
 
     def run(self, graph: StepGraph, step: StepInputs) -> torch.Tensor:
         """Logits [samples, vocab] (a view of the graph's static output, valid until

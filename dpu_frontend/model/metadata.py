@@ -79,6 +79,100 @@ def step_inputs(batch: Batch, page: int, per_tile: int) -> StepInputs:
         sample_rows=(q_start + counts - 1)[sampling].astype(np.int64))
 
 
+#: Batch-size buckets of the decode graphs, and the token buckets of the mixed graphs
+#: (the engine's default token budget is 2,048).
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+TOKEN_BUCKETS = (256, 512, 1024, 2048)
+
+
+def graph_shapes(max_seqs: int, max_blocks: int,
+                 token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> list[GraphShape]:
+    """The captured steps, in the order a step takes the first that holds it: decode
+    graphs (one per batch-size bucket), then mixed graphs (one per token bucket, one
+    sequence more than the engine runs: the padding tiles' own), each smallest first."""
+    sizes = [b for b in BUCKETS if b < max_seqs] + [max_seqs]
+    return ([GraphShape(n, n, n, None, max_blocks) for n in sizes]
+            + [GraphShape(t, max_seqs + 1, t, max_seqs, max_blocks)
+               for t in sorted(token_buckets)])
+
+
+def graph_for(shapes: list[GraphShape], step: StepInputs) -> int | None:
+    """The index of the first shape in ``shapes`` (``graph_shapes``' order) of the
+    step's family that holds it; None: no captured graph does."""
+    return next((i for i, g in enumerate(shapes)
+                 if (g.samples is None) == step.decode and g.fits(step)), None)
+
+
+#: A captured graph's static input fields, in buffer order: (name, dtype, size by
+#: the graph's dimensions). sched_core.h writes the same layout on the GPU.
+_FIELDS = (("slots", np.int64, "tokens"), ("positions", np.int64, "tokens"),
+           ("cache_slots", np.int64, "tokens"), ("sample_rows", np.int64, "samples"),
+           ("tables", np.int32, "table"), ("tile_seq", np.int32, "tiles"),
+           ("tile_row", np.int32, "tiles"), ("q_start", np.int32, "seqs"),
+           ("q_len", np.int32, "seqs"), ("ctx_start", np.int32, "seqs"))
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """A captured step's fixed sizes: ``tokens`` rows, ``seqs`` sequences, ``tiles``
+    attention tiles, ``samples`` logits rows (``None``: every row, as a decode step
+    has), and the width of a block table. Its static inputs are one byte buffer,
+    every field 8-byte aligned."""
+
+    tokens: int
+    seqs: int
+    tiles: int
+    samples: int | None
+    max_blocks: int
+
+    def spans(self) -> list[tuple[str, type, tuple[int, ...], int, int]]:
+        """(name, dtype, shape, offset, bytes) of each field."""
+        dims = {"tokens": (self.tokens,), "samples": (self.samples or 0,),
+                "table": (self.seqs, self.max_blocks), "tiles": (self.tiles,),
+                "seqs": (self.seqs,)}
+        out: list[tuple[str, type, tuple[int, ...], int, int]] = []
+        offset = 0
+        for name, dtype, dim in _FIELDS:
+            shape = dims[dim]
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            out.append((name, dtype, shape, offset, nbytes))
+            offset += -(-nbytes // 8) * 8
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        _, _, _, offset, nbytes = self.spans()[-1]
+        return offset + -(-nbytes // 8) * 8
+
+    def views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
+        """Each field as an array over ``buffer`` (uint8, ``nbytes`` long)."""
+        return {name: buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+                for name, dtype, shape, offset, nbytes in self.spans()}
+
+    def fits(self, step: StepInputs) -> bool:
+        return (len(step.slots) <= self.tokens and len(step.q_len) < self.seqs + (
+            self.samples is None) and len(step.tile_seq) <= self.tiles
+            and (self.samples is None or len(step.sample_rows) <= self.samples))
+
+    def fill(self, h: dict[str, np.ndarray], step: StepInputs, scratch_slot: int) -> None:
+        """The step's inputs into the fields ``h``; the rest is padding: padding rows
+        write their K and V to ``scratch_slot``, padding tiles belong to the last
+        sequence (padding, no query token)."""
+        t, s, tiles = len(step.slots), len(step.q_len), len(step.tile_seq)
+        h["slots"][:t], h["slots"][t:] = step.slots, 0
+        h["positions"][:t], h["positions"][t:] = step.positions, 0
+        h["cache_slots"][:t], h["cache_slots"][t:] = step.cache_slots, scratch_slot
+        h["tables"][:] = 0
+        h["tables"][:s, :step.tables.shape[1]] = step.tables
+        for name in ("q_start", "q_len", "ctx_start"):
+            h[name][:s], h[name][s:] = getattr(step, name), 0
+        h["tile_seq"][:tiles], h["tile_seq"][tiles:] = step.tile_seq, self.seqs - 1
+        h["tile_row"][:tiles], h["tile_row"][tiles:] = step.tile_row, 0
+        if self.samples is not None:
+            n = len(step.sample_rows)
+            h["sample_rows"][:n], h["sample_rows"][n:] = step.sample_rows, 0
+
+
 @dataclass(slots=True)
 class SamplingRows:
     """A step's sampling parameters, one column per sampling row, and the facts that

@@ -1,4 +1,5 @@
-"""``ring_protocol.h`` and ``peer_kernel.h`` checked against the Python codecs.
+"""The C headers (the ring protocol, the CUDA peer, the record writer, the GPU
+scheduler's core) checked against the Python codecs and mirrors.
 
 A C compiler builds a small program that includes the headers and prints,
 for every structure the Python side describes (``CStruct``), its ``sizeof``
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from dpu_frontend.gpu.runtime import DeviceInfo, PeerParams, source_dir
+from dpu_frontend.gpu.sched_core import SchedConfig, SeqState
 from dpu_frontend.model import publish as publish_mod
 from dpu_frontend.model.publish import WriterChannel, WriterParams
 from dpu_frontend.ring import (
@@ -46,7 +48,8 @@ from dpu_frontend.ring.records import REQUEST_STRUCT, RESPONSE_STRUCT
 STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQUEST_STRUCT,
            RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, KERNEL_BLOCK, MAILBOX)
 CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo,
-                  "dpuf_writer_params": WriterParams, "dpuf_writer_channel": WriterChannel}
+                  "dpuf_writer_params": WriterParams, "dpuf_writer_channel": WriterChannel,
+                  "dpuf_sched_config": SchedConfig, "dpuf_sched_seq": SeqState}
 CONSTANTS = {
     "DPUF_VERSION_MAJOR": layout_mod.VERSION_MAJOR, "DPUF_VERSION_MINOR": layout_mod.VERSION_MINOR,
     "DPUF_ALIGN": layout_mod.ALIGN, "DPUF_HEADER_SIZE": layout_mod.HEADER_SIZE,
@@ -126,7 +129,7 @@ def _compiler() -> str:
 
 def _program() -> str:
     lines = ['#include <stdio.h>', '#include <string.h>', '#include "peer_kernel.h"',
-             '#include "record_writer.h"',
+             '#include "record_writer.h"', '#include "sched_core.h"',
              'static int first = 1;',
              'static void key(const char *k) { printf("%s\\"%s\\": ", first ? "" : ", ", k); '
              'first = 0; }',

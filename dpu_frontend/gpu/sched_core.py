@@ -1,0 +1,178 @@
+"""The GPU scheduler's core (``sched_core.h``) built for the host, and its mirrors.
+
+The scheduler kernel (``scheduler.cu``) runs ``sched_core.h`` on the GPU. The
+same C, built for the host from ``sched_host.c``, is what the CPU tests hold
+to the Python scheduler (``dpu_frontend.model.scheduler``) and the step
+metadata (``dpu_frontend.model.metadata``): same batches, same preemptions,
+same bytes in a graph's static inputs. ``SchedConfig`` and ``SeqState``
+mirror the header's structures; CI checks their offsets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.runtime import SCHED_HOST_LIBRARY, SCHED_HOST_SOURCES, build
+from dpu_frontend.model.metadata import GraphShape
+
+#: Return codes of sched_core.h.
+OK, FULL, BAD_PROMPT, BAD_ENTRY, NO_GRAPH = 0, -1, -2, -3, -4
+#: dpuf_sched_seq.status
+SEQ_FREE, SEQ_WAITING, SEQ_RUNNING, SEQ_FINISHED = 0, 1, 2, 3
+MAX_CHANNELS = 64
+MAX_GRAPHS = 64
+
+
+class SchedConfig(ctypes.Structure):
+    """Mirror of ``dpuf_sched_config``."""
+
+    _fields_ = (
+        ("max_seqs", ctypes.c_int32),
+        ("max_batched_tokens", ctypes.c_int32),
+        ("max_model_len", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
+        ("per_tile", ctypes.c_int32),
+        ("scratch_slot", ctypes.c_int32),
+    )
+
+
+class SeqState(ctypes.Structure):
+    """Mirror of ``dpuf_sched_seq``."""
+
+    _fields_ = (
+        ("seq_id", ctypes.c_int64),
+        ("prompt_len", ctypes.c_int32),
+        ("limit", ctypes.c_int32),
+        ("slot", ctypes.c_int32),
+        ("computed", ctypes.c_int32),
+        ("generated", ctypes.c_int32),
+        ("status", ctypes.c_int32),
+        ("channel", ctypes.c_int32),
+        ("n_blocks", ctypes.c_int32),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """One step as the core chose it: works as (entry, start, count, sample) rows,
+    the entries admitted and preempted, the channels whose ring held a sequence
+    out, and the free blocks after it."""
+
+    works: np.ndarray  # [n, 4] int32
+    admitted: list[int]
+    preempted: list[int]
+    held: int
+    free_blocks: int
+
+
+class HostSchedCore:
+    """``sched_core.h`` on the host, on state it owns (``sched_host.c``)."""
+
+    def __init__(self, library: Path, config: SchedConfig) -> None:
+        lib = ctypes.CDLL(str(library))
+        vp, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
+        p32 = ctypes.POINTER(ctypes.c_int32)
+        signatures = {
+            "dpuf_sched_host_new": ((ctypes.POINTER(SchedConfig),), vp),
+            "dpuf_sched_host_free": ((vp,), None),
+            "dpuf_sched_host_add_graph": ((vp, i32, i32, i32, i32, u64), i32),
+            "dpuf_sched_host_inputs": ((vp, i32), vp),
+            "dpuf_sched_host_add": ((vp, i64, i32, i64, i32), i32),
+            "dpuf_sched_host_finish": ((vp, i32), ctypes.c_int),
+            "dpuf_sched_host_set_credit": ((vp, i32, i64), None),
+            "dpuf_sched_host_schedule": ((vp,), None),
+            "dpuf_sched_host_commit": ((vp,), None),
+            "dpuf_sched_host_graph_for": ((vp,), i32),
+            "dpuf_sched_host_fill": ((vp, i32), i32),
+            "dpuf_sched_host_batch": ((vp, p32, p32, p32, p32), u64),
+            "dpuf_sched_host_seq": ((vp, i32, ctypes.POINTER(SeqState), p32), i32),
+        }
+        for name, (args, restype) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, restype
+        self._lib = lib
+        self.config = config
+        self._handle = lib.dpuf_sched_host_new(ctypes.byref(config))
+        if not self._handle:
+            raise MemoryError("the scheduler's state")
+        self.max_blocks = -(-config.max_model_len // config.block_size)
+        self.shapes: list[GraphShape] = []
+
+    @classmethod
+    def build(cls, build_dir: Path, config: SchedConfig) -> HostSchedCore:
+        try:
+            library = build(build_dir, arch="host", sources=SCHED_HOST_SOURCES,
+                            library=SCHED_HOST_LIBRARY)
+        except StartupError as exc:
+            raise RuntimeError(str(exc)) from exc
+        return cls(library, config)
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.dpuf_sched_host_free(self._handle)
+            self._handle = None
+
+    def add_graph(self, shape: GraphShape) -> int:
+        g = int(self._lib.dpuf_sched_host_add_graph(
+            self._handle, shape.tokens, shape.seqs, shape.tiles,
+            -1 if shape.samples is None else shape.samples, shape.nbytes))
+        if g < 0:
+            raise ValueError(f"more than {MAX_GRAPHS} graphs")
+        self.shapes.append(shape)
+        return g
+
+    def add(self, seq_id: int, prompt_len: int, max_tokens: int, channel: int = -1) -> int:
+        return int(self._lib.dpuf_sched_host_add(self._handle, seq_id, prompt_len, max_tokens,
+                                                 channel))
+
+    def finish(self, entry: int) -> int:
+        return int(self._lib.dpuf_sched_host_finish(self._handle, entry))
+
+    def set_credit(self, channel: int, left: int) -> None:
+        self._lib.dpuf_sched_host_set_credit(self._handle, channel, left)
+
+    def schedule(self) -> StepBatch:
+        self._lib.dpuf_sched_host_schedule(self._handle)
+        c = self.config
+        counts = np.zeros(4, np.int32)
+        works = np.zeros((c.max_seqs, 4), np.int32)
+        admitted = np.zeros(c.max_seqs, np.int32)
+        preempted = np.zeros(c.capacity, np.int32)
+
+        def ptr(a: np.ndarray) -> ctypes._Pointer[ctypes.c_int32]:
+            return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+        held = int(self._lib.dpuf_sched_host_batch(self._handle, ptr(counts), ptr(works),
+                                                   ptr(admitted), ptr(preempted)))
+        n, a, p, free = (int(x) for x in counts)
+        return StepBatch(works[:n].copy(), admitted[:a].tolist(), preempted[:p].tolist(), held,
+                         free)
+
+    def commit(self) -> None:
+        self._lib.dpuf_sched_host_commit(self._handle)
+
+    def graph_for(self) -> int:
+        return int(self._lib.dpuf_sched_host_graph_for(self._handle))
+
+    def fill(self, graph: int) -> dict[str, np.ndarray]:
+        """The step's metadata written into graph ``graph``'s inputs; its fields."""
+        self._lib.dpuf_sched_host_fill(self._handle, graph)
+        shape = self.shapes[graph]
+        address = self._lib.dpuf_sched_host_inputs(self._handle, graph)
+        raw = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)),
+                                    (shape.nbytes,))
+        return {name: view.copy() for name, view in shape.views(raw).items()}
+
+    def seq(self, entry: int) -> tuple[SeqState, list[int]]:
+        state = SeqState()
+        blocks = np.zeros(self.max_blocks, np.int32)
+        n = self._lib.dpuf_sched_host_seq(self._handle, entry, ctypes.byref(state),
+                                          blocks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        return state, blocks[:n].tolist()
