@@ -23,6 +23,10 @@
  */
 #include "peer_kernel.h"
 
+#define DPUF_SOURCE "peer_kernel.cu"
+#include "cuda_host.cuh"
+#include "ring_device.cuh"
+
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cuda/atomic>
@@ -46,17 +50,6 @@ namespace cg = cooperative_groups;
 /* ======================================================================== */
 /* Host error handling                                                      */
 /* ======================================================================== */
-
-/* The message of the last failure, per calling thread (dpuf_last_error). */
-static __thread char g_last_error[512];
-
-static void set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void set_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
-    va_end(ap);
-}
 
 /* Driver API entry points, resolved through the runtime: the library then
  * loads on any machine with the CUDA driver, without a libcuda stub to link. */
@@ -109,32 +102,15 @@ static const driver_api *driver(void) {
     return api.ok ? &api : NULL;
 }
 
-/* One checker per API flavour; DPUF_CHECK picks it by the result's type, as
- * the checkCudaErrors of NVIDIA's samples does, but reports instead of
- * exiting: a library must not kill its host process. */
-static bool cuda_ok(cudaError_t e, const char *call, int line) {
-    if (e == cudaSuccess) return true;
-    set_error("%s failed (peer_kernel.cu:%d): %s: %s", call, line, cudaGetErrorName(e), cudaGetErrorString(e));
-    return false;
-}
-
 static bool cuda_ok(CUresult r, const char *call, int line) {
     if (r == CUDA_SUCCESS) return true;
     const char *name = NULL;
     const driver_api *d = driver();
     if (d == NULL || d->cuGetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
-    set_error("%s failed (peer_kernel.cu:%d): %s (CUresult %d)", call, line, name ? name : "unknown error", (int)r);
+    set_error("%s failed (%s:%d): %s (CUresult %d)", call, DPUF_SOURCE, line, name ? name : "unknown error", (int)r);
     return false;
 }
 
-/* In functions returning int: record the failure and return -1. */
-#define DPUF_CHECK(call)                                      \
-    do {                                                      \
-        if (!cuda_ok((call), #call, __LINE__)) return -1;     \
-    } while (0)
-
-/* In cleanup paths: record the failure and go on releasing the rest. */
-#define DPUF_NOTE(call) ((void)cuda_ok((call), #call, __LINE__))
 
 /* ======================================================================== */
 /* Device helpers and GPU-local state                                       */
@@ -211,36 +187,6 @@ struct engine_args {
     uint64_t prefill_ns_per_token;
 };
 
-struct heartbeat_args {
-    uint8_t *region;
-    const dpuf_channel_desc *channels;
-    uint32_t channel_count;
-    dpuf_kernel_block *kblock;
-    uint64_t heartbeat_ns;
-};
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-/* Sleep-spin until the global timer reaches deadline_ns. */
-__device__ __forceinline__ void wait_until(uint64_t deadline_ns) {
-    for (uint64_t now = global_timer_ns(); now < deadline_ns; now = global_timer_ns()) {
-        uint64_t left = deadline_ns - now;
-        __nanosleep(left < 1000u ? (unsigned)left : 1000u);
-    }
-}
-
-/* Plain single stores and loads that the compiler may neither merge, split
- * nor cache: every word the other side reads is one aligned store (protocol
- * 6.3), and mapped host memory is read back fresh. */
-__device__ __forceinline__ void store_vol_u64(void *p, uint64_t v) { *(volatile uint64_t *)p = v; }
-__device__ __forceinline__ void store_vol_u32(void *p, uint32_t v) { *(volatile uint32_t *)p = v; }
-__device__ __forceinline__ uint64_t load_vol_u64(const void *p) { return *(const volatile uint64_t *)p; }
-__device__ __forceinline__ uint32_t load_vol_u32(const void *p) { return *(const volatile uint32_t *)p; }
-
 /* The shadow array is GPU memory read only by this kernel: device scope is
  * enough there, and cheaper than the system scope of the region's markers. */
 __device__ __forceinline__ void shadow_store_release(uint64_t *p, uint64_t v) {
@@ -250,13 +196,6 @@ __device__ __forceinline__ void shadow_store_release(uint64_t *p, uint64_t v) {
 __device__ __forceinline__ uint64_t shadow_load_acquire(uint64_t *p) {
     cuda::atomic_ref<uint64_t, cuda::thread_scope_device> a(*p);
     return a.load(cuda::memory_order_acquire);
-}
-
-__device__ __forceinline__ dpuf_gpu_ctrl *gpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
-    return (dpuf_gpu_ctrl *)(region + d->gpu_ctrl_offset);
-}
-__device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
-    return (dpuf_dpu_ctrl *)(region + d->dpu_ctrl_offset);
 }
 
 /* ======================================================================== */
@@ -360,9 +299,6 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
 /* Intake: mailbox commands and request records (block 0, all threads)      */
 /* ======================================================================== */
 
-enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
-enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
-
 /* Block 0's scratch: thread 0 reads a record or a command, the block acts on
  * it together. Every value is written by thread 0, read by all after a
  * __syncthreads, and not rewritten before the next __syncthreads. */
@@ -386,21 +322,9 @@ __device__ void reset_channel(const engine_args &a, uint32_t c, uint32_t new_epo
         st->table[e].state = SEQ_FREE; /* no record is published for them */
         st->table[e].has_pending = 0;
     }
-    /* A stale commit of the last attachment would pass for record seq of
-     * the new one; a stale seq for a response the DPU has not read. */
-    for (uint32_t s = threadIdx.x; s < d->req_slots; s += blockDim.x)
-        store_vol_u64(a.region + d->req_ring_offset + (uint64_t)s * d->req_slot_size, 0);
-    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) {
-        store_vol_u64(a.region + d->resp_ring_offset + (uint64_t)s * d->resp_slot_size, 0);
-        st->shadow[s] = 0;
-    }
+    reset_rings(a.region, d);
+    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) st->shadow[s] = 0;
     if (threadIdx.x == 0) {
-        dpuf_gpu_ctrl *gc = gpu_ctrl_of(a.region, d);
-        store_vol_u64(&gc->resp_produced, 0);
-        store_vol_u64(&gc->req_consumed, 0);
-        /* The only store of the GPU into the DPU's block: no DPU is attached. */
-        store_vol_u64(&dpu_ctrl_of(a.region, d)->resp_consumed, 0);
-        /* gpu_ctrl.heartbeat is left alone: it is monotonic across attachments. */
         st->reserved = 0;
         st->produced = 0;
         st->next_req_seq = 1;
@@ -422,21 +346,11 @@ __device__ void run_mailbox(const engine_args &a, uint32_t c, intake_smem *sm) {
     chan_state *st = a.state + c;
     dpuf_mailbox *mb = a.mailboxes + c;
     if (threadIdx.x == 0) {
-        /* Acquire: the host wrote command and arg_epoch before command_seq. */
-        const uint64_t cs = dpuf_load_acquire_sys(&mb->command_seq);
-        uint32_t action = M_NONE;
-        if (cs != st->acked) {
-            const uint32_t command = load_vol_u32(&mb->command);
-            sm->arg_epoch = load_vol_u32(&mb->arg_epoch);
-            if (command == DPUF_CMD_ATTACH)
-                action = sm->arg_epoch > st->epoch ? M_ATTACH : M_BAD_EPOCH;
-            else if (command == DPUF_CMD_DETACH)
-                action = M_DETACH;
-            else
-                action = M_BAD_COMMAND;
-        }
+        uint64_t cs = 0;
+        uint32_t arg_epoch = 0;
+        sm->action = mailbox_take(mb, st->acked, st->epoch, &cs, &arg_epoch);
         sm->command_seq = cs;
-        sm->action = action;
+        sm->arg_epoch = arg_epoch;
     }
     __syncthreads();
     const uint32_t action = sm->action;
@@ -454,82 +368,15 @@ __device__ void run_mailbox(const engine_args &a, uint32_t c, intake_smem *sm) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        uint32_t error = DPUF_MBX_OK;
-        if (action == M_BAD_EPOCH) error = DPUF_MBX_BAD_EPOCH; /* refused, the attachment stands */
-        if (action == M_BAD_COMMAND) error = DPUF_MBX_BAD_COMMAND;
-        if (action == M_ATTACH) store_vol_u32(&mb->state, DPUF_STATE_ATTACHED);
-        if (action == M_DETACH) {
-            st->attached = 0;
-            store_vol_u32(&mb->state, DPUF_STATE_DETACHED);
-        }
-        store_vol_u32(&mb->error, error);
+        if (action == M_DETACH) st->attached = 0;
         st->acked = cs;
-        /* Release: state and error are visible before the host sees the ack. */
-        dpuf_store_release_sys(&mb->ack_seq, cs);
+        mailbox_ack(mb, cs, action);
     }
-}
-
-/* Copy a prompt out of the arena into the entry's pool span, all threads of
- * block 0 together. ld.cv: the arena span is rewritten for later requests,
- * a cached copy could be a previous prompt. Both ends are 16-byte aligned
- * (arena_offset % 128 == 0, pool spans of 32k tokens), so most of it moves
- * as uint4, four loads in flight per thread. */
-__device__ void copy_prompt(const uint32_t *src, uint32_t *dst, uint32_t len) {
-    const uint4 *src4 = (const uint4 *)src;
-    uint4 *dst4 = (uint4 *)dst;
-    const uint32_t n4 = len / 4u, nt = blockDim.x;
-    for (uint32_t base = 0; base < n4; base += 4u * nt) {
-        uint4 v[4];
-#pragma unroll
-        for (uint32_t k = 0; k < 4; k++) {
-            const uint32_t i = base + k * nt + threadIdx.x;
-            if (i < n4) v[k] = __ldcv(src4 + i);
-        }
-#pragma unroll
-        for (uint32_t k = 0; k < 4; k++) {
-            const uint32_t i = base + k * nt + threadIdx.x;
-            if (i < n4) dst4[i] = v[k];
-        }
-    }
-    for (uint32_t i = n4 * 4u + threadIdx.x; i < len; i += nt) dst[i] = dpuf_load_fresh_u32(src + i);
 }
 
 /* Thread 0: read and check record seq; V_NONE while it is not committed. */
 __device__ uint32_t read_record(const engine_args &a, uint32_t c, uint64_t seq, intake_smem *sm) {
-    const dpuf_channel_desc *d = a.channels + c;
-    const chan_state *st = a.state + c;
-    const uint8_t *slot = a.region + dpuf_req_slot_offset(d, seq);
-    /* Acquire, system scope: the writer is a NIC or a CPU; the body was
-     * written before the commit word (protocol 6.1). */
-    if (dpuf_load_acquire_sys((const volatile uint64_t *)slot) != seq) return V_NONE;
-    /* The body, fresh (ld.global.cv, as dpuf_load_fresh_u32 but 8 and 16
-     * bytes wide): the slot is reused every lap of the ring, a cached line
-     * could hold the last lap's record. All eight loads are issued before
-     * the first result is used, so the body costs one PCIe round trip. */
-    const uint2 head = __ldcv((const uint2 *)(slot + 8));
-    uint4 body[7];
-#pragma unroll
-    for (int i = 0; i < 7; i++) body[i] = __ldcv((const uint4 *)(slot + 16) + i);
-    sm->words[2] = head.x;
-    sm->words[3] = head.y;
-#pragma unroll
-    for (int i = 0; i < 7; i++) {
-        sm->words[4 + 4 * i] = body[i].x;
-        sm->words[5 + 4 * i] = body[i].y;
-        sm->words[6 + 4 * i] = body[i].z;
-        sm->words[7 + 4 * i] = body[i].w;
-    }
-    const uint32_t *wd = sm->words;
-    const uint32_t kind = wd[2];
-    const uint64_t arena_off = wd[6] | ((uint64_t)wd[7] << 32);
-    const uint32_t prompt_len = wd[8], max_tokens = wd[9], n_stop = wd[19], epoch = wd[28];
-    if (epoch != st->epoch) return V_BAD; /* written for another attachment */
-    if (kind == DPUF_KIND_CANCEL) return V_CANCEL;
-    if (kind != DPUF_KIND_GENERATE) return V_BAD;
-    if (n_stop > DPUF_MAX_STOP_TOKEN_IDS || max_tokens == 0 || arena_off % DPUF_ALIGN != 0) return V_BAD;
-    if (arena_off > d->arena_size || 4ull * prompt_len > d->arena_size - arena_off) return V_BAD;
-    if (prompt_len > d->max_prompt_tokens) return V_BAD;
-    return V_GENERATE;
+    return read_request(a.region, a.channels + c, a.state[c].epoch, seq, sm->words);
 }
 
 /* Take in every committed record of one attached channel (block 0). Returns
@@ -857,34 +704,6 @@ __global__ void __launch_bounds__(ENGINE_THREADS, 1) engine_kernel(const __grid_
 /* Heartbeat kernel                                                         */
 /* ======================================================================== */
 
-/* One warp, lane 0, on its own clock: it never waits on the engine, so a
- * 32K-token prefill inside one step never stops the heartbeat. */
-__global__ void heartbeat_kernel(const heartbeat_args a) {
-    if (threadIdx.x != 0) return;
-    /* Go on from the highest value in the region: monotonic even if the
-     * region was beaten by an earlier peer. */
-    uint64_t beat = 0;
-    for (uint32_t c = 0; c < a.channel_count; c++) {
-        const uint64_t v = load_vol_u64(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat);
-        beat = v > beat ? v : beat;
-    }
-    uint64_t beats = 0, next = global_timer_ns();
-    while (dpuf_load_acquire_sys(&a.kblock->stop) == 0) {
-        const uint64_t now = global_timer_ns();
-        if (now < next) {
-            const uint64_t left = next - now;
-            __nanosleep(left < 100000u ? (unsigned)left : 100000u); /* see stop within 0.1 ms */
-            continue;
-        }
-        ++beat;
-        for (uint32_t c = 0; c < a.channel_count; c++)
-            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat, beat);
-        store_vol_u64(&a.kblock->heartbeats, ++beats);
-        next += a.heartbeat_ns;
-        if (next <= now) next = now + a.heartbeat_ns; /* after a stall: no burst of beats */
-    }
-}
-
 /* ======================================================================== */
 /* Host API                                                                 */
 /* ======================================================================== */
@@ -1138,14 +957,6 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
 }
 
 /* 1: running, 0: returned, -1: an error (recorded). */
-static int stream_state(cudaStream_t s) {
-    const cudaError_t e = cudaStreamQuery(s);
-    if (e == cudaSuccess) return 0;
-    if (e == cudaErrorNotReady) return 1;
-    cuda_ok(e, "cudaStreamQuery", __LINE__);
-    return -1;
-}
-
 /* 1: both kernels running or one still returning, 0: both returned, -1: error. */
 static int kernels_state(dpuf_peer *peer) {
     const int hb = stream_state(peer->hb_stream);
@@ -1153,17 +964,6 @@ static int kernels_state(dpuf_peer *peer) {
     const int en = stream_state(peer->engine_stream);
     if (en < 0) return -1;
     return (hb || en) ? 1 : 0;
-}
-
-static void sleep_us(long us) {
-    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-    nanosleep(&ts, NULL);
-}
-
-static uint64_t monotonic_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
 extern "C" {

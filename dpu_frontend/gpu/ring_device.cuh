@@ -1,0 +1,215 @@
+/*
+ * ring_device.cuh: the GPU half of the ring protocol that every persistent
+ * kernel shares: the CUDA peer (peer_kernel.cu) and the model's scheduler
+ * (scheduler.cu). Request records in, rings reset at an attachment, mailbox
+ * commands, the heartbeat. docs/protocol.md says the bytes and the orders.
+ */
+#ifndef DPUF_RING_DEVICE_CUH
+#define DPUF_RING_DEVICE_CUH
+
+#include "ring_protocol.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Sleep-spin until the global timer reaches deadline_ns. */
+__device__ __forceinline__ void wait_until(uint64_t deadline_ns) {
+    for (uint64_t now = global_timer_ns(); now < deadline_ns; now = global_timer_ns()) {
+        uint64_t left = deadline_ns - now;
+        __nanosleep(left < 1000u ? (unsigned)left : 1000u);
+    }
+}
+
+/* Plain single stores and loads that the compiler may neither merge, split
+ * nor cache: every word the other side reads is one aligned store (protocol
+ * 6.3), and mapped host memory is read back fresh. */
+__device__ __forceinline__ void store_vol_u64(void *p, uint64_t v) { *(volatile uint64_t *)p = v; }
+__device__ __forceinline__ void store_vol_u32(void *p, uint32_t v) { *(volatile uint32_t *)p = v; }
+__device__ __forceinline__ uint64_t load_vol_u64(const void *p) { return *(const volatile uint64_t *)p; }
+__device__ __forceinline__ uint32_t load_vol_u32(const void *p) { return *(const volatile uint32_t *)p; }
+
+__device__ __forceinline__ dpuf_gpu_ctrl *gpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
+    return (dpuf_gpu_ctrl *)(region + d->gpu_ctrl_offset);
+}
+__device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpuf_channel_desc *d) {
+    return (dpuf_dpu_ctrl *)(region + d->dpu_ctrl_offset);
+}
+
+/* A request record's verdict, and a mailbox command's action. */
+enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
+enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
+
+/* Request record words (dpuf_request_record as 32 u32 words, protocol 4). */
+__device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w[i] | ((uint64_t)w[i + 1] << 32); }
+#define REQ_KIND 2
+#define REQ_FLAGS 3
+#define REQ_ID 4
+#define REQ_ARENA 6
+#define REQ_PROMPT_LEN 8
+#define REQ_MAX_TOKENS 9
+#define REQ_TEMPERATURE 10
+#define REQ_TOP_P 11
+#define REQ_TOP_K 12
+#define REQ_MIN_P 13
+#define REQ_SEED 14
+#define REQ_PRESENCE 16
+#define REQ_FREQUENCY 17
+#define REQ_REPETITION 18
+#define REQ_N_STOP 19
+#define REQ_STOP 20
+#define REQ_EPOCH 28
+#define REQ_LOGPROBS 29
+
+/* One thread: read and check record `seq` of channel `d` into words[0..31];
+ * V_NONE while it is not committed. */
+__device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc *d, uint32_t epoch, uint64_t seq,
+                                 uint32_t *words) {
+    const uint8_t *slot = region + dpuf_req_slot_offset(d, seq);
+    /* Acquire, system scope: the writer is a NIC or a CPU; the body was
+     * written before the commit word (protocol 6.1). */
+    if (dpuf_load_acquire_sys((const volatile uint64_t *)slot) != seq) return V_NONE;
+    /* The body, fresh (ld.global.cv, as dpuf_load_fresh_u32 but 8 and 16
+     * bytes wide): the slot is reused every lap of the ring, a cached line
+     * could hold the last lap's record. All eight loads are issued before
+     * the first result is used, so the body costs one PCIe round trip. */
+    const uint2 head = __ldcv((const uint2 *)(slot + 8));
+    uint4 body[7];
+#pragma unroll
+    for (int i = 0; i < 7; i++) body[i] = __ldcv((const uint4 *)(slot + 16) + i);
+    words[2] = head.x;
+    words[3] = head.y;
+#pragma unroll
+    for (int i = 0; i < 7; i++) {
+        words[4 + 4 * i] = body[i].x;
+        words[5 + 4 * i] = body[i].y;
+        words[6 + 4 * i] = body[i].z;
+        words[7 + 4 * i] = body[i].w;
+    }
+    const uint32_t kind = words[REQ_KIND];
+    const uint64_t arena_off = req_u64(words, REQ_ARENA);
+    const uint32_t prompt_len = words[REQ_PROMPT_LEN], max_tokens = words[REQ_MAX_TOKENS];
+    const uint32_t n_stop = words[REQ_N_STOP];
+    if (words[REQ_EPOCH] != epoch) return V_BAD; /* written for another attachment */
+    if (kind == DPUF_KIND_CANCEL) return V_CANCEL;
+    if (kind != DPUF_KIND_GENERATE) return V_BAD;
+    if (n_stop > DPUF_MAX_STOP_TOKEN_IDS || max_tokens == 0 || arena_off % DPUF_ALIGN != 0) return V_BAD;
+    if (arena_off > d->arena_size || 4ull * prompt_len > d->arena_size - arena_off) return V_BAD;
+    if (prompt_len > d->max_prompt_tokens) return V_BAD;
+    return V_GENERATE;
+}
+
+/* Copy a prompt out of the arena, all threads of the block together. ld.cv:
+ * the arena span is rewritten for later requests, a cached copy could be a
+ * previous prompt. Both ends are 16-byte aligned (arena_offset % 128 == 0,
+ * destination spans of whole 128-byte chunks), so most of it moves as uint4,
+ * four loads in flight per thread. */
+__device__ void copy_prompt(const uint32_t *src, uint32_t *dst, uint32_t len) {
+    const uint4 *src4 = (const uint4 *)src;
+    uint4 *dst4 = (uint4 *)dst;
+    const uint32_t n4 = len / 4u, nt = blockDim.x;
+    for (uint32_t base = 0; base < n4; base += 4u * nt) {
+        uint4 v[4];
+#pragma unroll
+        for (uint32_t k = 0; k < 4; k++) {
+            const uint32_t i = base + k * nt + threadIdx.x;
+            if (i < n4) v[k] = __ldcv(src4 + i);
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < 4; k++) {
+            const uint32_t i = base + k * nt + threadIdx.x;
+            if (i < n4) dst4[i] = v[k];
+        }
+    }
+    for (uint32_t i = n4 * 4u + threadIdx.x; i < len; i += nt) dst[i] = dpuf_load_fresh_u32(src + i);
+}
+
+/* Zero a channel's rings and indices for a new attachment, all threads of
+ * the block; nothing may publish into the channel meanwhile. The caller
+ * fences (system scope) and syncs before it stores the new epoch. A stale
+ * commit of the last attachment would pass for record seq of the new one; a
+ * stale seq for a response the DPU has not read. */
+__device__ void reset_rings(uint8_t *region, const dpuf_channel_desc *d) {
+    for (uint32_t s = threadIdx.x; s < d->req_slots; s += blockDim.x)
+        store_vol_u64(region + d->req_ring_offset + (uint64_t)s * d->req_slot_size, 0);
+    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x)
+        store_vol_u64(region + d->resp_ring_offset + (uint64_t)s * d->resp_slot_size, 0);
+    if (threadIdx.x == 0) {
+        dpuf_gpu_ctrl *gc = gpu_ctrl_of(region, d);
+        store_vol_u64(&gc->resp_produced, 0);
+        store_vol_u64(&gc->req_consumed, 0);
+        /* The only store of the GPU into the DPU's block: no DPU is attached. */
+        store_vol_u64(&dpu_ctrl_of(region, d)->resp_consumed, 0);
+        /* gpu_ctrl.heartbeat is left alone: it is monotonic across attachments. */
+    }
+}
+
+/* One thread: the channel's pending mailbox command as an M_* action (its
+ * command_seq and epoch argument out), M_NONE when there is none. */
+__device__ uint32_t mailbox_take(const dpuf_mailbox *mb, uint64_t acked, uint32_t epoch, uint64_t *command_seq,
+                                 uint32_t *arg_epoch) {
+    /* Acquire: the host wrote command and arg_epoch before command_seq. */
+    const uint64_t cs = dpuf_load_acquire_sys(&mb->command_seq);
+    *command_seq = cs;
+    if (cs == acked) return M_NONE;
+    const uint32_t command = load_vol_u32(&mb->command);
+    *arg_epoch = load_vol_u32(&mb->arg_epoch);
+    if (command == DPUF_CMD_ATTACH) return *arg_epoch > epoch ? M_ATTACH : M_BAD_EPOCH;
+    if (command == DPUF_CMD_DETACH) return M_DETACH;
+    return M_BAD_COMMAND;
+}
+
+/* One thread, once the action is carried out: state and error, then the ack. */
+__device__ void mailbox_ack(dpuf_mailbox *mb, uint64_t command_seq, uint32_t action) {
+    uint32_t error = DPUF_MBX_OK;
+    if (action == M_BAD_EPOCH) error = DPUF_MBX_BAD_EPOCH; /* refused, the attachment stands */
+    if (action == M_BAD_COMMAND) error = DPUF_MBX_BAD_COMMAND;
+    if (action == M_ATTACH) store_vol_u32(&mb->state, DPUF_STATE_ATTACHED);
+    if (action == M_DETACH) store_vol_u32(&mb->state, DPUF_STATE_DETACHED);
+    store_vol_u32(&mb->error, error);
+    /* Release: state and error are visible before the host sees the ack. */
+    dpuf_store_release_sys(&mb->ack_seq, command_seq);
+}
+
+struct heartbeat_args {
+    uint8_t *region;
+    const dpuf_channel_desc *channels;
+    uint32_t channel_count;
+    dpuf_kernel_block *kblock;
+    uint64_t heartbeat_ns;
+};
+
+/* One warp, lane 0, on its own clock: it never waits on the engine, so a
+ * 32K-token prefill inside one step never stops the heartbeat. */
+__global__ void heartbeat_kernel(const heartbeat_args a) {
+    if (threadIdx.x != 0) return;
+    /* Go on from the highest value in the region: monotonic even if the
+     * region was beaten by an earlier peer. */
+    uint64_t beat = 0;
+    for (uint32_t c = 0; c < a.channel_count; c++) {
+        const uint64_t v = load_vol_u64(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat);
+        beat = v > beat ? v : beat;
+    }
+    uint64_t beats = 0, next = global_timer_ns();
+    while (dpuf_load_acquire_sys(&a.kblock->stop) == 0) {
+        const uint64_t now = global_timer_ns();
+        if (now < next) {
+            const uint64_t left = next - now;
+            __nanosleep(left < 100000u ? (unsigned)left : 100000u); /* see stop within 0.1 ms */
+            continue;
+        }
+        ++beat;
+        for (uint32_t c = 0; c < a.channel_count; c++)
+            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->heartbeat, beat);
+        store_vol_u64(&a.kblock->heartbeats, ++beats);
+        next += a.heartbeat_ns;
+        if (next <= now) next = now + a.heartbeat_ns; /* after a stall: no burst of beats */
+    }
+}
+
+#endif /* DPUF_RING_DEVICE_CUH */
