@@ -24,11 +24,18 @@ from dpu_frontend.errors import StartupError
 
 log = logging.getLogger("dpu_frontend.gpu")
 
-SOURCES = ("peer_kernel.cu", "peer_kernel.h", "ring_protocol.h")
+SOURCES = ("peer_kernel.cu", "peer_kernel.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h")
 LIBRARY = "libdpuf_peer"
 #: The model's record writer (``dpu_frontend.model.publish``).
-RECORDS_SOURCES = ("record_writer.cu", "record_writer.h", "ring_protocol.h")
+RECORDS_SOURCES = ("record_writer.cu", "record_writer.h", "record_writer.cuh", "cuda_host.cuh",
+                   "ring_protocol.h")
 RECORDS_LIBRARY = "libdpuf_records"
+#: The scheduler inside the GPU (``dpu_frontend.model.gpu_scheduler``): device graph launch
+#: needs the device runtime, so relocatable device code and libcudadevrt.
+SCHED_SOURCES = ("scheduler.cu", "scheduler.h", "sched_core.h", "record_writer.cuh",
+                 "record_writer.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h")
+SCHED_LIBRARY = "libdpuf_sched"
+SCHED_FLAGS = ("-rdc=true", "-lcudadevrt")
 #: The GPU scheduler's core built for the host (``dpu_frontend.gpu.sched_core``, the tests).
 SCHED_HOST_SOURCES = ("sched_host.c", "sched_core.h")
 SCHED_HOST_LIBRARY = "libdpuf_sched_host"
@@ -56,11 +63,13 @@ def find_nvcc(nvcc: str | None = None) -> str:
                        "or pass a prebuilt --library")
 
 
-def build_command(nvcc: str, arch: str, output: Path,
-                  sources: tuple[str, ...] = SOURCES) -> list[str]:
+def build_command(nvcc: str, arch: str, output: Path, sources: tuple[str, ...] = SOURCES,
+                  flags: tuple[str, ...] = ()) -> list[str]:
     src = source_dir()
-    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-Xcompiler", "-fPIC", "-shared",
-            f"-I{src}", str(src / sources[0]), "-o", str(output)]
+    rdc = [f for f in flags if not f.startswith("-l")]
+    libs = [f for f in flags if f.startswith("-l")]
+    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", *rdc, "-Xcompiler", "-fPIC", "-shared",
+            f"-I{src}", str(src / sources[0]), "-o", str(output), *libs]
 
 
 def host_build_command(output: Path, sources: tuple[str, ...]) -> list[str]:
@@ -74,12 +83,13 @@ def host_build_command(output: Path, sources: tuple[str, ...]) -> list[str]:
 
 
 def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
-          sources: tuple[str, ...] = SOURCES, library: str = LIBRARY) -> Path:
+          sources: tuple[str, ...] = SOURCES, library: str = LIBRARY,
+          flags: tuple[str, ...] = ()) -> Path:
     """The library of ``sources`` (the .cu first) for ``arch``, built now unless
     already cached; a .c first is built for the host with the C compiler (``arch``
     names the cache entry only)."""
     src = source_dir()
-    digest = hashlib.sha256(arch.encode())
+    digest = hashlib.sha256(" ".join((arch, *flags)).encode())
     for name in sources:
         digest.update((src / name).read_bytes())
     output = build_dir / f"{library}-{arch}-{digest.hexdigest()[:16]}.so"
@@ -88,7 +98,7 @@ def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
     build_dir.mkdir(parents=True, exist_ok=True)
     partial = output.with_suffix(f".{os.getpid()}.tmp")
     command = (host_build_command(partial, sources) if sources[0].endswith(".c")
-               else build_command(find_nvcc(nvcc), arch, partial, sources))
+               else build_command(find_nvcc(nvcc), arch, partial, sources, flags))
     log.info("building %s: %s", library, " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:

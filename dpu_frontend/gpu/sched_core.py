@@ -1,11 +1,12 @@
-"""The GPU scheduler's core (``sched_core.h``) built for the host, and its mirrors.
+"""The GPU scheduler's structures, and its core (``sched_core.h``) built for the host.
 
 The scheduler kernel (``scheduler.cu``) runs ``sched_core.h`` on the GPU. The
 same C, built for the host from ``sched_host.c``, is what the CPU tests hold
 to the Python scheduler (``dpu_frontend.model.scheduler``) and the step
 metadata (``dpu_frontend.model.metadata``): same batches, same preemptions,
-same bytes in a graph's static inputs. ``SchedConfig`` and ``SeqState``
-mirror the header's structures; CI checks their offsets.
+same bytes in a graph's static inputs. ``SchedConfig``, ``SeqState``,
+``ModelParams`` and ``ModelStats`` mirror the headers' structures (no torch
+here: CI checks their offsets).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.runtime import SCHED_HOST_LIBRARY, SCHED_HOST_SOURCES, build
-from dpu_frontend.model.metadata import GraphShape
 
 #: Return codes of sched_core.h.
 OK, FULL, BAD_PROMPT, BAD_ENTRY, NO_GRAPH = 0, -1, -2, -3, -4
@@ -57,6 +57,67 @@ class SeqState(ctypes.Structure):
         ("channel", ctypes.c_int32),
         ("n_blocks", ctypes.c_int32),
     )
+
+
+#: Sampler variants of the GPU scheduler (scheduler.h, DPUF_SAMPLER_*), in index order.
+VARIANTS = ("greedy", "plain", "full", "logprobs")
+MAX_EOS = 8
+
+
+class ModelParams(ctypes.Structure):
+    """Mirror of ``dpuf_model_params`` (CI checks every offset against the header)."""
+
+    _fields_ = (
+        ("region_host", ctypes.c_void_p),
+        ("region_size", ctypes.c_uint64),
+        ("channels", ctypes.c_void_p),
+        ("channel_count", ctypes.c_uint32),
+        ("eos_count", ctypes.c_uint32),
+        ("eos", ctypes.c_uint32 * MAX_EOS),
+        ("device", ctypes.c_int32),
+        ("vocab", ctypes.c_uint32),
+        ("heartbeat_ns", ctypes.c_uint64),
+        ("idle_ns", ctypes.c_uint64),
+        ("sched", SchedConfig),
+        ("tokens", ctypes.c_void_p),
+        ("counts", ctypes.c_void_p),
+        ("in_prompt", ctypes.c_void_p),
+        ("vocab_rows", ctypes.c_uint32),
+        ("rows_stride", ctypes.c_uint32),
+        ("row_slot", ctypes.c_void_p),
+        ("row_pos", ctypes.c_void_p),
+        ("row_floats", ctypes.c_void_p),
+        ("row_ints", ctypes.c_void_p),
+        ("out_tokens", ctypes.c_void_p),
+        ("out_logprob", ctypes.c_void_p),
+        ("out_top_ids", ctypes.c_void_p),
+        ("out_top_logprobs", ctypes.c_void_p),
+    )
+
+
+class ModelStats(ctypes.Structure):
+    """Mirror of ``dpuf_model_stats``."""
+
+    _fields_ = (
+        ("steps", ctypes.c_uint64),
+        ("tokens", ctypes.c_uint64),
+        ("sampled", ctypes.c_uint64),
+        ("admitted", ctypes.c_uint64),
+        ("preemptions", ctypes.c_uint64),
+        ("refused", ctypes.c_uint64),
+        ("idle_polls", ctypes.c_uint64),
+        ("held", ctypes.c_uint64),
+        ("variants", ctypes.c_uint64 * len(VARIANTS)),
+        ("running", ctypes.c_uint64),
+        ("waiting", ctypes.c_uint64),
+        ("free_blocks", ctypes.c_uint64),
+        ("error", ctypes.c_uint64),
+    )
+
+
+#: dpuf_model_stats.error
+ERRORS = {1: "a step no captured graph holds", 2: "a device graph launch failed",
+          3: "the record writer reported an error"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +164,7 @@ class HostSchedCore:
         if not self._handle:
             raise MemoryError("the scheduler's state")
         self.max_blocks = -(-config.max_model_len // config.block_size)
-        self.shapes: list[GraphShape] = []
+        self._sizes: list[int] = []
 
     @classmethod
     def build(cls, build_dir: Path, config: SchedConfig) -> HostSchedCore:
@@ -119,13 +180,14 @@ class HostSchedCore:
             self._lib.dpuf_sched_host_free(self._handle)
             self._handle = None
 
-    def add_graph(self, shape: GraphShape) -> int:
+    def add_graph(self, tokens: int, seqs: int, tiles: int, samples: int | None,
+                  nbytes: int) -> int:
+        """A captured graph's sizes (``metadata.GraphShape``'s) and its input buffer's."""
         g = int(self._lib.dpuf_sched_host_add_graph(
-            self._handle, shape.tokens, shape.seqs, shape.tiles,
-            -1 if shape.samples is None else shape.samples, shape.nbytes))
+            self._handle, tokens, seqs, tiles, -1 if samples is None else samples, nbytes))
         if g < 0:
             raise ValueError(f"more than {MAX_GRAPHS} graphs")
-        self.shapes.append(shape)
+        self._sizes.append(nbytes)
         return g
 
     def add(self, seq_id: int, prompt_len: int, max_tokens: int, channel: int = -1) -> int:
@@ -161,14 +223,12 @@ class HostSchedCore:
     def graph_for(self) -> int:
         return int(self._lib.dpuf_sched_host_graph_for(self._handle))
 
-    def fill(self, graph: int) -> dict[str, np.ndarray]:
-        """The step's metadata written into graph ``graph``'s inputs; its fields."""
+    def fill(self, graph: int) -> np.ndarray:
+        """The step's metadata written into graph ``graph``'s inputs: their bytes."""
         self._lib.dpuf_sched_host_fill(self._handle, graph)
-        shape = self.shapes[graph]
         address = self._lib.dpuf_sched_host_inputs(self._handle, graph)
-        raw = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)),
-                                    (shape.nbytes,))
-        return {name: view.copy() for name, view in shape.views(raw).items()}
+        return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)),
+                                     (self._sizes[graph],)).copy()
 
     def seq(self, entry: int) -> tuple[SeqState, list[int]]:
         state = SeqState()

@@ -38,7 +38,7 @@ from dpu_frontend.model.qwen3 import Attention, Qwen3
 class StepGraph:
     """One captured step of fixed sizes (``GraphShape``)."""
 
-    def __init__(self, shape: GraphShape, device: torch.device) -> None:
+    def __init__(self, shape: GraphShape, device: torch.device, keep_graph: bool = False) -> None:
         self.shape = shape
         self.tokens, self.seqs, self.tiles, self.samples = (shape.tokens, shape.seqs, shape.tiles,
                                                             shape.samples)
@@ -56,7 +56,9 @@ class StepGraph:
                                 .view(torch.int64 if dtype == np.int64 else torch.int32)
                                 .view(shape_))
         self.attn = Attention(**{f.name: self.views[f.name] for f in fields(Attention)})
-        self.graph = torch.cuda.CUDAGraph()
+        # keep_graph: the cudaGraph_t stays for the GPU scheduler to instantiate for
+        # device launch (model/gpu_scheduler.py).
+        self.graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
         self.logits = torch.empty(0)
 
     def fits(self, step: StepInputs) -> bool:
@@ -90,23 +92,25 @@ class StepGraphs:
     """Every captured step, in ``metadata.graph_shapes``' order."""
 
     def __init__(self, model: Qwen3, tokens: torch.Tensor, max_seqs: int, max_blocks: int,
-                 scratch_slot: int) -> None:
+                 scratch_slot: int, keep_graphs: bool = False) -> None:
         self.model = model
+        self.keep_graphs = keep_graphs
         self.tokens = tokens
         self.scratch_slot = scratch_slot
         self.shapes = graph_shapes(max_seqs, max_blocks)
         self.graphs: list[StepGraph] = []
+        self.pool: object = None
 
     def capture(self) -> None:
         device = self.tokens.device
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         graphs: dict[int, StepGraph] = {}
         # Largest first (the mixed graphs, then the decode graphs): the smaller graphs
         # reuse its memory from the shared pool.
         decode = [i for i, s in enumerate(self.shapes) if s.samples is None]
         mixed = [i for i, s in enumerate(self.shapes) if s.samples is not None]
         for i in [*reversed(mixed), *reversed(decode)]:
-            graphs[i] = StepGraph(self.shapes[i], device)
+            graphs[i] = StepGraph(self.shapes[i], device, self.keep_graphs)
             graphs[i].capture(self.model, self.tokens, pool)
         self.graphs = [graphs[i] for i in range(len(self.shapes))]
 

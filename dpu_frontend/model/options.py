@@ -12,6 +12,7 @@ from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
 RECORDS = ("gpu", "host")
+SCHEDULERS = ("host", "gpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +78,25 @@ class ModelPeerOptions:
     records: str = "gpu"
     #: A prebuilt libdpuf_records.so; None: built with nvcc on first use.
     records_library: Path | None = None
+    #: Who runs the engine loop: "host", this process (model/peer.py, the baseline);
+    #: "gpu", a persistent scheduler kernel that launches each step itself
+    #: (model/gpu_scheduler.py), the host out of the token path.
+    scheduler: str = "host"
+    #: A prebuilt libdpuf_sched.so; None: built with nvcc on first use.
+    scheduler_library: Path | None = None
 
     def __post_init__(self) -> None:
         if self.records not in RECORDS:
             raise ValueError(f"records {self.records!r} is not one of {', '.join(RECORDS)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+        if self.scheduler == "gpu":
+            if not self.runner.cuda_graphs:
+                raise ValueError("--scheduler gpu launches captured steps: drop --no-cuda-graphs")
+            if self.records != "gpu":
+                raise ValueError("--scheduler gpu writes the records on the GPU: drop --records host")
+            if self.runner.max_seqs > 1024:
+                raise ValueError("--scheduler gpu runs at most 1024 sequences a step")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +130,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
              "the host's loop (the baseline)")
     add("--records-library", type=Path, default=None, metavar="SO",
         help="a prebuilt libdpuf_records.so (default: built with nvcc on first use)")
+    add("--scheduler", choices=SCHEDULERS, default="host",
+        help="who runs the engine loop: this process (host, the baseline), or a persistent "
+             "kernel that launches every step from the GPU (gpu: no host CPU per token)")
+    add("--scheduler-library", type=Path, default=None, metavar="SO",
+        help="a prebuilt libdpuf_sched.so (default: built with nvcc on first use)")
 
 
 def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
@@ -127,4 +148,5 @@ def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
     return ModelPeerOptions(args.model_config, runner,
                             EngineOptions(max_batched_tokens=args.max_batched_tokens,
                                           overlap=args.overlap),
-                            records=args.records, records_library=args.records_library)
+                            records=args.records, records_library=args.records_library,
+                            scheduler=args.scheduler, scheduler_library=args.scheduler_library)

@@ -21,10 +21,12 @@ from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.gpu_scheduler import GpuSchedulerKernel, sampler_reserve
 from dpu_frontend.model.options import ModelPeerOptions
 from dpu_frontend.model.publish import CudaRecordBackend, RingRecords
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.source import EngineHub, ModelSource, RecordsFactory, RingSource
+from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel, SequenceSource
 from dpu_frontend.peer.server import PeerServer, serve_peer
 from dpu_frontend.ring import Layout
@@ -51,23 +53,42 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
                          f"{config.vocab_size}")
     runner = ModelRunner(config, replace(options.runner,
                                          vocab_limit=vocab.tokenizer.get_vocab_size()))
+    eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
+    model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
+                             "scheduler": options.scheduler,
+                             "peer": f"dpu-frontend-model-peer {__version__}"}
+    if options.scheduler == "gpu":
+        return await serve_peer(PeerServer(peer, gpu_kernel(peer, options, runner, eos), model))
     runner.load()  # weights, KV cache, graphs: before the ready line
     engine = ModelEngine(config, runner, options.engine)
     gpu_records = options.records == "gpu"
     hub = EngineHub(engine, records_factory(options, engine) if gpu_records else None)
-    eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
 
     def source(channel: int, space: RecordSpace) -> SequenceSource:
         return RingSource(hub, channel) if gpu_records else ModelSource(hub, space)
 
     kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step,
                              stats=hub.stats, opened=hub.opened, closing=hub.closed)
-    model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
-                             "peer": f"dpu-frontend-model-peer {__version__}"}
     log.info("model peer: %d layers, hidden %d, %s, weights %s, records written by the %s",
              config.num_layers, config.hidden_size, options.runner.dtype,
              options.runner.weights or "random", options.records)
     return await serve_peer(PeerServer(peer, kernel, model))
+
+
+def gpu_kernel(peer: PeerConfig, options: ModelPeerOptions, runner: ModelRunner,
+               eos: tuple[int, ...]) -> PeerKernel:
+    """``--scheduler gpu``: the model loaded with its graphs kept for device launch,
+    the sampler graphs captured, the scheduler library built: all before the ready
+    line, so that any of them failing fails the start."""
+    runner.load(keep_graphs=True, reserve=sampler_reserve(runner))
+    kernel = GpuSchedulerKernel(peer, runner, eos,
+                                max_batched_tokens=options.engine.max_batched_tokens,
+                                library=options.scheduler_library)
+    kernel.capture()
+    log.info("model peer: %d layers, hidden %d, %s, weights %s, scheduler on the GPU",
+             runner.config.num_layers, runner.config.hidden_size, options.runner.dtype,
+             options.runner.weights or "random")
+    return kernel
 
 
 def records_factory(options: ModelPeerOptions, engine: ModelEngine) -> RecordsFactory:

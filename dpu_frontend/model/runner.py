@@ -41,7 +41,10 @@ class ModelRunner:
         self.device = torch.device("cuda", options.device)
         self.num_blocks = 0
 
-    def load(self) -> None:
+    def load(self, *, keep_graphs: bool = False, reserve: int = 0) -> None:
+        """Weights, KV cache, step graphs. ``keep_graphs``: keep each graph's
+        cudaGraph_t (the GPU scheduler instantiates them for device launch);
+        ``reserve``: bytes more to leave free of the KV cache (its sampler graphs)."""
         c, o = self.config, self.options
         torch.cuda.set_device(self.device)
         if o.weights is None:
@@ -49,7 +52,7 @@ class ModelRunner:
         else:
             with Checkpoint.scan(o.weights, c) as checkpoint:
                 weights = Weights.load(checkpoint, c, self.dtype, self.device)
-        self.num_blocks = o.num_blocks or self._blocks_that_fit()
+        self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
         # One block more than the pool hands out: the scratch block where the padding
         # rows of a decode graph write their K and V.
         shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
@@ -59,25 +62,28 @@ class ModelRunner:
         self.model = Qwen3(c, weights, k_cache, v_cache, rotary)
         self.sampler = Sampler(c.vocab_size, self.device)
         self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
-        self.tokens = torch.zeros((o.max_seqs, o.max_model_len), dtype=torch.int64, device=self.device)
-        self.counts = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.int32, device=self.device)
-        self.in_prompt = torch.zeros((o.max_seqs, c.vocab_size), dtype=torch.bool, device=self.device)
+        # One row more than the slots: the GPU scheduler's padding rows draw into it.
+        rows = o.max_seqs + 1
+        self.tokens = torch.zeros((rows, o.max_model_len), dtype=torch.int64, device=self.device)
+        self.counts = torch.zeros((rows, c.vocab_size), dtype=torch.int32, device=self.device)
+        self.in_prompt = torch.zeros((rows, c.vocab_size), dtype=torch.bool, device=self.device)
         self.graphs: StepGraphs | None = None
         #: Steps by how they ran: replayed from a decode or a mixed graph, or eager.
         self.steps = {"decode graph": 0, "mixed graph": 0, "eager": 0}
         if o.cuda_graphs:
             self.graphs = StepGraphs(self.model, self.tokens, o.max_seqs,
                                        -(-o.max_model_len // o.block_size),
-                                       scratch_slot=self.num_blocks * o.block_size)
+                                       scratch_slot=self.num_blocks * o.block_size,
+                                       keep_graphs=keep_graphs)
             self.graphs.capture()
         log.info("model loaded: %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)", c.num_layers,
                  o.dtype, self.num_blocks, o.block_size, 2 * k_cache.numel() * k_cache.element_size() / 2**30)
 
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, extra: int) -> int:
         c, o = self.config, self.options
         free, total = torch.cuda.mem_get_info(self.device)
         # What the step's activations and the sampler's [batch, vocab] buffers take.
-        reserve = 4 << 30
+        reserve = (4 << 30) + extra
         budget = free - (1 - o.memory_fraction) * total - reserve
         per_block = c.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * o.block_size
         blocks = int(budget // per_block)

@@ -17,6 +17,7 @@ from dpu_frontend.model.metadata import SamplingRows
 
 # The reference's hash, applied to int64 tensors: the same operators, the same bits.
 from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW, fmix32
+from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -141,7 +142,10 @@ class Sampler:
         if p.host.any_top_p:
             sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
             before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-            drop = before >= p.top_p[:, None]
+            # A row with top_p 1 keeps every token, as the reference does; without the
+            # guard, a cumulative sum that rounds up to 1 early would drop its tail, and
+            # the row's draw would depend on whether its batch has a top-p row.
+            drop = (before >= p.top_p[:, None]) & (p.top_p < 1.0)[:, None]
             drop[:, 0] = False
             probs = probs.scatter(1, order, torch.where(drop, 0.0, sorted_p))
         if p.host.any_min_p:
@@ -163,5 +167,7 @@ class Sampler:
         chosen = lp.gather(1, tokens[:, None])[:, 0]
         if k == 0:
             return Drawn(tokens, chosen, None, None)
-        top = torch.topk(lp, k, dim=-1)
-        return Drawn(tokens, chosen, top.indices, top.values)
+        # Always the protocol's widest, then cut: equal log probabilities come in the
+        # same order whatever k the batch asked (the GPU scheduler's graphs take 5).
+        top = torch.topk(lp, MAX_TOP_LOGPROBS, dim=-1)
+        return Drawn(tokens, chosen, top.indices[:, :k], top.values[:, :k])

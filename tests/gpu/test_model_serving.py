@@ -1,6 +1,7 @@
-"""The model engine behind the daemon: ``model-peer`` (host-scheduled) on the GPU, its
-records written by the GPU or by the host, the daemon over the shm transport, the
-official openai SDK in front (docs/gpu.md)."""
+"""The model engine behind the daemon: ``model-peer`` on the GPU, host-scheduled with its
+records written by the GPU or by the host, or scheduled inside the GPU (``--scheduler
+gpu``); the daemon over the shm transport, the official openai SDK in front
+(docs/gpu.md). Every test runs against the three."""
 
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ MODEL_ARGS = ("--max-seqs", "64", "--max-model-len", "2048", "--kv-blocks", "512
 PROMPT = "The ring buffer in GPU memory"
 
 
-@pytest.fixture(scope="module", params=["gpu", "host"])
+#: The peers: host loop with the GPU's record writer (the default) and with the host's
+#: (the baseline), and the scheduler inside the GPU.
+PEERS = {"gpu": ("--records", "gpu"), "host": ("--records", "host"),
+         "gpu-scheduler": ("--scheduler", "gpu")}
+
+
+@pytest.fixture(scope="module", params=list(PEERS))
 def model_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """The peer with each writer of the response records: the GPU's record writer
-    (the default) and the host loop (the baseline); every test runs against both."""
     with running_stack("shm", timeout=600, peer_command="model-peer",
-                       peer_args=(*MODEL_ARGS, "--records", request.param)) as stack:
+                       peer_args=(*MODEL_ARGS, *PEERS[request.param])) as stack:
         yield stack
 
 
@@ -75,17 +80,29 @@ def test_the_daemon_serves_what_the_engine_generates(model_stack: Stack,
                                                      offline: ModelEngine) -> None:
     vocab = Vocabulary.load(default_tokenizer_dir())
     ids = vocab.encode(PROMPT)
+    # Greedy, and each sampler stage alone (the GPU scheduler's variants: plain,
+    # top-k, top-p, min-p, penalties).
     cases = [SamplingParams(max_tokens=24, temperature=0.0),
-             SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=5)]
+             SamplingParams(max_tokens=24, temperature=0.9, seed=4),
+             SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=5),
+             SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=6),
+             SamplingParams(max_tokens=24, temperature=1.2, min_p=0.05, seed=7),
+             SamplingParams(max_tokens=24, temperature=0.7, presence_penalty=0.5,
+                            frequency_penalty=0.3, repetition_penalty=1.2, seed=8),
+             SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.5)]
     with client(model_stack) as c:
         for params in cases:
             expected = offline.generate([ids], [params])[0]
             got = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=params.max_tokens,
                                        temperature=params.temperature, seed=params.seed,
-                                       extra_body={"top_k": params.top_k})
+                                       top_p=params.top_p, presence_penalty=params.presence_penalty,
+                                       frequency_penalty=params.frequency_penalty,
+                                       extra_body={"top_k": params.top_k, "min_p": params.min_p,
+                                                   "repetition_penalty": params.repetition_penalty})
             assert got.choices[0].text == vocab.decode(expected.tokens)
             assert got.usage is not None and got.usage.completion_tokens == len(expected.tokens)
-    print("greedy and seeded top-k completions through the daemon equal the engine's own tokens")
+    print(f"{len(cases)} greedy and seeded completions (every sampler stage) through the daemon "
+          "equal the host engine's own tokens")
 
 
 def test_chat_stream_with_the_sdk(model_stack: Stack) -> None:

@@ -63,7 +63,7 @@ class Twin:
                                 max_batched_tokens}))
         self.shapes = graph_shapes(max_seqs, self.c.max_blocks, buckets)
         for shape in self.shapes:
-            self.c.add_graph(shape)
+            self.c.add_graph(shape.tokens, shape.seqs, shape.tiles, shape.samples, shape.nbytes)
         self.entry: dict[int, int] = {}  # seq_id -> the core's entry
         self.seqs: dict[int, Sequence] = {}
         self.channel: dict[int, int] = {}
@@ -138,7 +138,7 @@ class Twin:
         shape = self.shapes[g]
         want = shape.views(np.zeros(shape.nbytes, np.uint8))
         shape.fill(want, step, self.scratch)
-        got = self.c.fill(g)
+        got = shape.views(self.c.fill(g))
         for name, array in want.items():
             np.testing.assert_array_equal(got[name], array, err_msg=name)
 

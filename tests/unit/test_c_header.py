@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from dpu_frontend.gpu import sched_core
 from dpu_frontend.gpu.runtime import DeviceInfo, PeerParams, source_dir
-from dpu_frontend.gpu.sched_core import SchedConfig, SeqState
+from dpu_frontend.gpu.sched_core import ModelParams, ModelStats, SchedConfig, SeqState
 from dpu_frontend.model import publish as publish_mod
 from dpu_frontend.model.publish import WriterChannel, WriterParams
 from dpu_frontend.ring import (
@@ -49,7 +50,8 @@ STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQU
            RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, KERNEL_BLOCK, MAILBOX)
 CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo,
                   "dpuf_writer_params": WriterParams, "dpuf_writer_channel": WriterChannel,
-                  "dpuf_sched_config": SchedConfig, "dpuf_sched_seq": SeqState}
+                  "dpuf_sched_config": SchedConfig, "dpuf_sched_seq": SeqState,
+                  "dpuf_model_params": ModelParams, "dpuf_model_stats": ModelStats}
 CONSTANTS = {
     "DPUF_VERSION_MAJOR": layout_mod.VERSION_MAJOR, "DPUF_VERSION_MINOR": layout_mod.VERSION_MINOR,
     "DPUF_ALIGN": layout_mod.ALIGN, "DPUF_HEADER_SIZE": layout_mod.HEADER_SIZE,
@@ -78,6 +80,17 @@ CONSTANTS = {
     "DPUF_WRITER_MAX_EOS": publish_mod.MAX_EOS,
     **{f"DPUF_WRITER_{name}": code for code, name in (
         (1, "RING_FULL"), (2, "NO_LOGPROBS"), (3, "BAD_SLOT"))},
+    # the scheduler inside the GPU (scheduler.h, sched_core.h, dpu_frontend/gpu/sched_core.py)
+    **{f"DPUF_SAMPLER_{v.upper()}": i for i, v in enumerate(sched_core.VARIANTS)},
+    "DPUF_MODEL_VARIANTS": len(sched_core.VARIANTS), "DPUF_MODEL_MAX_EOS": sched_core.MAX_EOS,
+    **{f"DPUF_MODEL_ERR_{name}": code for code, name in (
+        (1, "NO_GRAPH"), (2, "LAUNCH"), (3, "WRITER"))},
+    "DPUF_SCHED_OK": sched_core.OK, "DPUF_SCHED_FULL": sched_core.FULL,
+    "DPUF_SCHED_BAD_PROMPT": sched_core.BAD_PROMPT, "DPUF_SCHED_BAD_ENTRY": sched_core.BAD_ENTRY,
+    "DPUF_SCHED_NO_GRAPH": sched_core.NO_GRAPH, "DPUF_SEQ_FREE": sched_core.SEQ_FREE,
+    "DPUF_SEQ_WAITING": sched_core.SEQ_WAITING, "DPUF_SEQ_RUNNING": sched_core.SEQ_RUNNING,
+    "DPUF_SCHED_MAX_CHANNELS": sched_core.MAX_CHANNELS,
+    "DPUF_SCHED_MAX_GRAPHS": sched_core.MAX_GRAPHS,
 }
 
 #: The golden records: what the C program fills, field by field, and what the
@@ -129,7 +142,7 @@ def _compiler() -> str:
 
 def _program() -> str:
     lines = ['#include <stdio.h>', '#include <string.h>', '#include "peer_kernel.h"',
-             '#include "record_writer.h"', '#include "sched_core.h"',
+             '#include "record_writer.h"', '#include "scheduler.h"',
              'static int first = 1;',
              'static void key(const char *k) { printf("%s\\"%s\\": ", first ? "" : ", ", k); '
              'first = 0; }',
@@ -181,7 +194,7 @@ def test_the_launcher_mirrors_the_host_api(c_side: dict[str, object], c_name: st
 
 def test_constants_match(c_side: dict[str, object]) -> None:
     for name, value in CONSTANTS.items():
-        assert c_side[name] == value, name
+        assert c_side[name] == value % 2**64, name  # printed as unsigned
     assert str(c_side["magic"]).encode() == layout_mod.MAGIC
     assert list(COUNTERS) == [n for n, _ in MAILBOX.fields][6:]
 

@@ -1,0 +1,881 @@
+/*
+ * scheduler.cu: the model's scheduler inside the GPU (`model-peer --scheduler gpu`).
+ *
+ * Two persistent kernels and the host API of scheduler.h:
+ *   - the scheduler kernel, one block of SCHED_THREADS threads, captured in
+ *     a graph instantiated for device launch. Each run of it is one engine
+ *     step of the host-driven loop (dpu_frontend/model/engine.py), with no
+ *     host in it:
+ *       A. publish the records of the step that just ran (the record
+ *          writer's phases, record_writer.cuh: finals, arms, rows) and
+ *          retire the sequences they finished;
+ *       B. run the channels' mailbox commands (attach: a new epoch, rings
+ *          reset; detach), dropping the channel's sequences;
+ *       C. take the committed request records in: a GENERATE becomes a
+ *          waiting sequence (its prompt copied out of the arena), a CANCEL
+ *          retires its sequence with a cancelled record;
+ *       D. schedule (sched_core.h), each channel's sampling sequences bound
+ *          by the free slots of its response ring;
+ *       E. load the admitted prompts into the runner's token buffer, write
+ *          the step's metadata into the static inputs of the smallest
+ *          captured graph that holds it, and the sampler's rows;
+ *       F. tail-launch that step graph, the sampler graph of the batch's
+ *          variant, and itself: the three run one after the other, so the
+ *          next run sees the step's tokens.
+ *     With nothing to run it polls the mailboxes and rings in place,
+ *     sleeping idle_ns between polls, and never relaunches.
+ *   - the heartbeat kernel (ring_device.cuh), one warp on its own stream.
+ * The host launches both once; afterwards it only posts mailbox commands
+ * and reads the mirrored counters.
+ *
+ * Build (device graph launch needs the device runtime):
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -rdc=true -Xcompiler -fPIC -shared \
+ *        dpu_frontend/gpu/scheduler.cu -o libdpuf_sched.so -lcudadevrt
+ */
+#include "scheduler.h"
+
+#define DPUF_SOURCE "scheduler.cu"
+#include "cuda_host.cuh"
+#include "record_writer.cuh"
+#include "ring_device.cuh"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
+#define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
+#define N_COUNTERS 8                 /* the mailbox's, in its order */
+enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL };
+
+/* What the scheduler keeps of a request beside sched_core's sequence. */
+struct entry_info {
+    uint64_t request_id;
+    uint64_t seed;
+    uint32_t channel;
+    uint32_t flags; /* DPUF_WRITER_IGNORE_EOS | DPUF_WRITER_LOGPROBS */
+    uint32_t top;   /* alternatives with each token, with LOGPROBS */
+    uint32_t n_stop;
+    uint32_t stop[DPUF_MAX_STOP_TOKEN_IDS];
+    float f[6]; /* temperature, top_p, min_p, presence, frequency, repetition */
+    int64_t top_k; /* 0: off */
+    uint32_t penalized;
+    uint32_t pad;
+};
+
+struct chan_state {
+    uint64_t next_req_seq; /* the next request record expected (1-based) */
+    uint64_t acked;        /* the last mailbox command_seq acknowledged */
+    uint64_t finals;       /* finals queued for the next publish */
+    uint32_t epoch;
+    uint32_t attached;
+    unsigned long long counters[N_COUNTERS];
+};
+
+struct sched_ctl {
+    uint32_t n_finals, n_arms, n_rows; /* queued for the next publish */
+    uint32_t started;
+    uint64_t seeds; /* draws of seeds for requests without one */
+};
+
+struct sched_args {
+    uint8_t *region;
+    const dpuf_channel_desc *channels; /* device copy */
+    uint32_t channel_count;
+    uint32_t vocab;
+    dpuf_kernel_block *kblock; /* mapped host memory */
+    dpuf_mailbox *mailboxes;
+    chan_state *chan;
+    sched_ctl *ctl;
+    dpuf_sched *s;
+    entry_info *entries;
+    uint32_t *prompts; /* [capacity][prompt_stride] */
+    uint64_t prompt_stride;
+    int64_t *tokens;
+    uint64_t tokens_stride;
+    int32_t *counts;
+    uint8_t *in_prompt;
+    uint64_t vocab_rows;
+    int64_t *row_slot, *row_pos;
+    float *row_floats;
+    int64_t *row_ints;
+    uint32_t rows_stride;
+    const int64_t *out_tokens;
+    const float *out_logprob;
+    const int64_t *out_top_ids;
+    const float *out_top_logprobs;
+    int32_t *row_entry; /* [max_seqs]: the entry of each sampling row of the step that ran */
+    int64_t *finals, *arms, *rows;
+    uint32_t max_finals;
+    dpuf_writer_channel *wstate;  /* device */
+    dpuf_writer_channel *wmirror; /* pinned */
+    writer_slot *wslots;          /* [max_seqs] by runner slot */
+    uint32_t eos[DPUF_MODEL_MAX_EOS];
+    uint32_t eos_count;
+    dpuf_model_stats *stats;        /* device */
+    dpuf_model_stats *stats_mirror; /* pinned */
+    uint64_t idle_ns;
+    int32_t n_graphs;
+    int32_t samples[DPUF_SCHED_MAX_GRAPHS]; /* sampler rows of each graph */
+    cudaGraphExec_t forward[DPUF_SCHED_MAX_GRAPHS];
+    cudaGraphExec_t sampler[DPUF_SCHED_MAX_GRAPHS][DPUF_MODEL_VARIANTS];
+};
+
+/* The block's scratch: thread 0 decides, everyone reads after a barrier. */
+struct sched_smem {
+    uint32_t words[32];
+    uint64_t command_seq;
+    uint32_t action, arg_epoch, verdict, stop, bad_ids, go;
+    int entry;
+    int duplicate;
+    int32_t graph, variant, tokens, tiles, samples;
+    int32_t row[SCHED_MAX_SEQS], tile[SCHED_MAX_SEQS], sample[SCHED_MAX_SEQS];
+};
+
+__device__ __forceinline__ dpuf_dpu_ctrl *dpu_of(const sched_args &a, uint32_t c) {
+    return dpu_ctrl_of(a.region, a.channels + c);
+}
+
+/* splitmix64: a seed for a request that brought none. */
+__device__ uint64_t fresh_seed(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* ---- A. publish and retire ------------------------------------------------ */
+
+__device__ void publish(const sched_args &a, writer_smem &wsm) {
+    sched_ctl *ctl = a.ctl;
+    const uint32_t nf = ctl->n_finals, na = ctl->n_arms, nr = ctl->n_rows;
+    __syncthreads(); /* every thread has the counts before thread 0 clears them */
+    writer_args w = {};
+    w.region = a.region;
+    w.channels = a.channels;
+    w.state = a.wstate;
+    w.mirror = a.wmirror;
+    w.slots = a.wslots;
+    w.slot_count = (uint32_t)a.s->c.max_seqs;
+    w.channel_count = a.channel_count;
+    for (uint32_t i = 0; i < DPUF_WRITER_MAX_EOS; i++) w.eos[i] = a.eos[i];
+    w.eos_count = a.eos_count;
+    w.finals = a.finals;
+    w.arms = a.arms;
+    w.rows = a.rows;
+    w.n_finals = nf;
+    w.n_arms = na;
+    w.n_rows = nr;
+    w.tokens = a.out_tokens;
+    w.logprob = a.out_logprob;
+    w.top_ids = a.out_top_ids;
+    w.top_logprobs = a.out_top_logprobs;
+    w.top_stride = DPUF_MAX_TOP_LOGPROBS;
+    writer_run(w, wsm);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        /* A row whose slot the writer closed ended its sequence (stop or
+         * length): its blocks and slot go to the next step. */
+        for (uint32_t i = 0; i < nr; i++) {
+            const int64_t slot = a.rows[2 * i];
+            if (a.wslots[slot].state != SLOT_ACTIVE) dpuf_sched_finish(a.s, a.row_entry[i]);
+        }
+        ctl->n_finals = ctl->n_arms = ctl->n_rows = 0;
+        for (uint32_t c = 0; c < a.channel_count; c++) {
+            a.chan[c].finals = 0;
+            if (a.wstate[c].error) a.stats->error = DPUF_MODEL_ERR_WRITER;
+        }
+    }
+    __syncthreads();
+}
+
+/* Thread 0: a record with no token for the next publish. */
+__device__ void queue_final(const sched_args &a, int64_t slot, uint32_t c, uint64_t request_id, uint32_t finish,
+                            uint32_t flags) {
+    int64_t *op = a.finals + (uint64_t)a.ctl->n_finals++ * DPUF_WRITER_FINAL_WORDS;
+    op[0] = slot;
+    op[1] = c;
+    op[2] = (int64_t)request_id;
+    op[3] = finish;
+    op[4] = flags;
+    a.chan[c].finals++;
+}
+
+/* ---- B. mailbox ------------------------------------------------------------ */
+
+/* Every sequence of channel c ends without a record (its ring is being reset
+ * or let go): thread 0 retires them, the block closes their writer slots. */
+__device__ void drop_channel(const sched_args &a, uint32_t c) {
+    if (threadIdx.x == 0) {
+        for (int32_t e = 0; e < a.s->c.capacity; e++) {
+            const int32_t status = a.s->seqs[e].status;
+            if ((status == DPUF_SEQ_WAITING || status == DPUF_SEQ_RUNNING) && a.entries[e].channel == c)
+                dpuf_sched_finish(a.s, e);
+        }
+    }
+    for (int32_t e = threadIdx.x; e < a.s->c.max_seqs; e += blockDim.x)
+        if (a.wslots[e].state == SLOT_ACTIVE && a.wslots[e].channel == c) a.wslots[e].state = SLOT_DONE;
+    __syncthreads();
+}
+
+__device__ void run_mailbox(const sched_args &a, uint32_t c, sched_smem &sm) {
+    chan_state *st = a.chan + c;
+    if (threadIdx.x == 0) sm.action = mailbox_take(a.mailboxes + c, st->acked, st->epoch, &sm.command_seq, &sm.arg_epoch);
+    __syncthreads();
+    const uint32_t action = sm.action, epoch = sm.arg_epoch;
+    const uint64_t cs = sm.command_seq;
+    __syncthreads();
+    if (action == M_NONE) return;
+    if (action == M_ATTACH || action == M_DETACH) drop_channel(a, c);
+    if (action == M_ATTACH) {
+        reset_rings(a.region, a.channels + c);
+        if (threadIdx.x == 0) {
+            st->next_req_seq = 1;
+            st->finals = 0;
+            /* The ring restarts at position 0; the counters run on. */
+            a.wstate[c].reserved = 0;
+            a.wstate[c].epoch = epoch;
+        }
+        /* Every zero reaches the system before the new epoch does. */
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            st->epoch = epoch;
+            st->attached = 1;
+            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->epoch, epoch);
+        }
+    }
+    if (threadIdx.x == 0) {
+        if (action == M_DETACH) st->attached = 0;
+        st->acked = cs;
+        mailbox_ack(a.mailboxes + c, cs, action);
+    }
+    __syncthreads();
+}
+
+/* ---- C. intake ------------------------------------------------------------- */
+
+/* Response positions of channel c not yet promised: the DPU's read index
+ * against what the writer used and the finals queued. */
+__device__ int64_t ring_room(const sched_args &a, uint32_t c) {
+    const uint64_t consumed = dpuf_load_acquire_sys(&dpu_of(a, c)->resp_consumed);
+    const int64_t used = (int64_t)(a.wstate[c].reserved - consumed) + (int64_t)a.chan[c].finals;
+    return (int64_t)a.channels[c].resp_slots - used;
+}
+
+/* Thread 0: a GENERATE's entry (its parameters), once its prompt checked out. */
+__device__ void fill_entry(const sched_args &a, int32_t e, uint32_t c, const uint32_t *wd) {
+    entry_info *en = a.entries + e;
+    en->request_id = req_u64(wd, REQ_ID);
+    en->channel = c;
+    const uint32_t flags = wd[REQ_FLAGS];
+    en->flags = ((flags & DPUF_FLAG_IGNORE_EOS) ? DPUF_WRITER_IGNORE_EOS : 0u) |
+                ((flags & DPUF_FLAG_LOGPROBS) ? DPUF_WRITER_LOGPROBS : 0u);
+    en->top = (flags & DPUF_FLAG_LOGPROBS) ? wd[REQ_LOGPROBS] : 0u;
+    en->n_stop = wd[REQ_N_STOP];
+    for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[REQ_STOP + i];
+    const int32_t f_words[6] = {REQ_TEMPERATURE, REQ_TOP_P, REQ_MIN_P, REQ_PRESENCE, REQ_FREQUENCY, REQ_REPETITION};
+    for (int i = 0; i < 6; i++) en->f[i] = __uint_as_float(wd[f_words[i]]);
+    const int32_t top_k = (int32_t)wd[REQ_TOP_K];
+    en->top_k = top_k > 0 && (uint64_t)top_k < a.vocab_rows ? top_k : 0;
+    en->seed = (flags & DPUF_FLAG_HAS_SEED) ? req_u64(wd, REQ_SEED)
+                                            : fresh_seed(global_timer_ns() ^ (a.ctl->seeds++ << 32) ^ en->request_id);
+    en->penalized = en->f[3] != 0.0f || en->f[4] != 0.0f || en->f[5] != 1.0f;
+}
+
+/* Take in every committed record of attached channel c, all threads. */
+__device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
+    const dpuf_channel_desc *d = a.channels + c;
+    chan_state *st = a.chan + c;
+    const uint64_t first = st->next_req_seq;
+    uint64_t seq = first;
+    for (;;) {
+        if (threadIdx.x == 0) {
+            sm.verdict = read_request(a.region, d, st->epoch, seq, sm.words);
+            /* A record that may end in a final (a cancel, a refusal) waits
+             * for a free response slot; so does one when the queue is full. */
+            sm.go = sm.verdict != V_NONE && ring_room(a, c) > 0 && a.ctl->n_finals < a.max_finals;
+            sm.entry = INT_MAX;
+            sm.duplicate = 0;
+            sm.bad_ids = 0;
+        }
+        __syncthreads();
+        if (!sm.go) break;
+        uint32_t verdict = sm.verdict;
+        const uint64_t request_id = req_u64(sm.words, REQ_ID);
+        if (verdict == V_GENERATE && (sm.words[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) &&
+            sm.words[REQ_LOGPROBS] > DPUF_MAX_TOP_LOGPROBS)
+            verdict = V_BAD;
+        /* The channel's live sequences: a duplicate id for a GENERATE, the
+         * target of a CANCEL. */
+        if (verdict == V_GENERATE || verdict == V_CANCEL) {
+            for (int32_t e = threadIdx.x; e < a.s->c.capacity; e += blockDim.x) {
+                const int32_t status = a.s->seqs[e].status;
+                if ((status == DPUF_SEQ_WAITING || status == DPUF_SEQ_RUNNING) && a.entries[e].channel == c &&
+                    a.entries[e].request_id == request_id) {
+                    if (verdict == V_GENERATE) sm.duplicate = 1;
+                    else atomicMin(&sm.entry, e);
+                }
+            }
+        }
+        __syncthreads();
+        if (verdict == V_GENERATE && sm.duplicate) verdict = V_BAD;
+        if (verdict == V_GENERATE && threadIdx.x == 0) {
+            const int32_t e = dpuf_sched_add(a.s, (int64_t)request_id, (int32_t)sm.words[REQ_PROMPT_LEN],
+                                             sm.words[REQ_MAX_TOKENS], (int32_t)c);
+            sm.entry = e >= 0 ? e : e == DPUF_SCHED_BAD_PROMPT ? -1 : INT_MAX;
+        }
+        __syncthreads();
+        const int entry = sm.entry;
+        if (verdict == V_GENERATE && entry == INT_MAX) verdict = V_BAD; /* past max_sequences: bad */
+        if (verdict == V_GENERATE && entry >= 0) {
+            const uint32_t len = sm.words[REQ_PROMPT_LEN];
+            uint32_t *dst = a.prompts + (uint64_t)entry * a.prompt_stride;
+            copy_prompt((const uint32_t *)(a.region + d->arena_offset + req_u64(sm.words, REQ_ARENA)), dst, len);
+            __syncthreads();
+            for (uint32_t i = threadIdx.x; i < len; i += blockDim.x)
+                if (dst[i] >= a.vocab) sm.bad_ids = 1;
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            const uint32_t *wd = sm.words;
+            const uint32_t flags = (wd[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) ? DPUF_WRITER_LOGPROBS : 0u;
+            if (verdict == V_BAD) st->counters[CNT_BAD]++;
+            if (verdict == V_CANCEL && entry != INT_MAX) {
+                /* An unknown or finished target is ignored, not bad. */
+                queue_final(a, a.s->seqs[entry].slot, c, request_id, DPUF_FINISH_CANCELLED,
+                            a.entries[entry].flags);
+                dpuf_sched_finish(a.s, entry);
+            }
+            if (verdict == V_GENERATE) {
+                if (entry >= 0 && sm.bad_ids) dpuf_sched_finish(a.s, entry);
+                if (entry < 0 || sm.bad_ids) { /* a prompt the model cannot take: the request fails alone */
+                    queue_final(a, -1, c, request_id, DPUF_FINISH_ERROR, flags);
+                    a.stats->refused++;
+                } else {
+                    fill_entry(a, entry, c, wd);
+                    st->counters[CNT_ADMITTED]++;
+                }
+            }
+            st->counters[CNT_RECORDS]++;
+        }
+        seq++;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && seq != first) {
+        st->next_req_seq = seq;
+        /* The prompts are copied out before req_consumed moves: the DPU
+         * reuses the slots and arena spans it covers at once. */
+        __threadfence_system();
+        dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->req_consumed, seq - 1);
+    }
+    __syncthreads();
+}
+
+/* ---- E. the step's inputs -------------------------------------------------- */
+
+/* Admitted sequences: their prompt into the token buffer, the penalties'
+ * state, and the writer's arm. */
+__device__ void load_admitted(const sched_args &a) {
+    const dpuf_sched *s = a.s;
+    for (int32_t k = 0; k < s->n_admitted; k++) {
+        const int32_t e = s->admitted[k];
+        const dpuf_sched_seq *q = s->seqs + e;
+        const entry_info *en = a.entries + e;
+        const uint32_t *src = a.prompts + (uint64_t)e * a.prompt_stride;
+        int64_t *row = a.tokens + (uint64_t)q->slot * a.tokens_stride;
+        for (int32_t i = threadIdx.x; i < q->prompt_len; i += blockDim.x) row[i] = src[i];
+        if (en->penalized) {
+            /* Only a penalized row reads these: any other row's draw is the
+             * same whatever they hold (its penalties are neutral bit for bit). */
+            int32_t *counts = a.counts + (uint64_t)q->slot * a.vocab_rows;
+            uint8_t *seen = a.in_prompt + (uint64_t)q->slot * a.vocab_rows;
+            for (uint64_t v = threadIdx.x; v < a.vocab_rows; v += blockDim.x) {
+                counts[v] = 0;
+                seen[v] = 0;
+            }
+            __syncthreads();
+            for (int32_t i = threadIdx.x; i < q->prompt_len; i += blockDim.x) seen[src[i]] = 1;
+        }
+        if (threadIdx.x == 0) {
+            int64_t *op = a.arms + (uint64_t)a.ctl->n_arms++ * DPUF_WRITER_ARM_WORDS;
+            op[0] = q->slot;
+            op[1] = en->channel;
+            op[2] = (int64_t)en->request_id;
+            op[3] = q->limit;
+            op[4] = en->flags;
+            op[5] = en->top;
+            op[6] = en->n_stop;
+            op[7] = 0;
+            for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) op[8 + i] = en->stop[i];
+        }
+        __syncthreads();
+    }
+}
+
+/* Thread 0: the sampler's rows and the writer's, in the order of the
+ * sampling works; padding rows up to the graph's draw nothing that counts
+ * (slot max_seqs is the token buffer's padding row). Returns the variant. */
+__device__ int32_t build_rows(const sched_args &a, int32_t graph) {
+    const dpuf_sched *s = a.s;
+    const uint32_t stride = a.rows_stride;
+    int32_t k = 0;
+    bool greedy = true, penalty = false, cut = false, logprobs = false;
+    for (int32_t i = 0; i < s->n_works; i++) {
+        const dpuf_sched_work *w = s->works + i;
+        if (!w->sample) continue;
+        const dpuf_sched_seq *q = s->seqs + w->seq;
+        const entry_info *en = a.entries + w->seq;
+        const int32_t total = q->prompt_len + q->generated; /* before this step's token */
+        a.row_slot[k] = q->slot;
+        a.row_pos[k] = total;
+        for (int j = 0; j < 6; j++) a.row_floats[j * stride + k] = en->f[j];
+        a.row_ints[k] = en->top_k;
+        a.row_ints[stride + k] = (int64_t)en->seed;
+        a.row_ints[2 * stride + k] = q->generated;
+        a.rows[2 * k] = q->slot;
+        a.rows[2 * k + 1] = total + 1;
+        a.row_entry[k] = w->seq;
+        greedy &= en->f[0] < 1e-5f;
+        penalty |= en->penalized != 0;
+        cut |= en->top_k != 0 || en->f[1] < 1.0f || en->f[2] > 0.0f;
+        logprobs |= (en->flags & DPUF_WRITER_LOGPROBS) != 0;
+        k++;
+    }
+    a.ctl->n_rows = (uint32_t)k;
+    const float neutral[6] = {0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 1.0f};
+    for (int32_t r = k; r < a.samples[graph]; r++) {
+        a.row_slot[r] = s->c.max_seqs;
+        a.row_pos[r] = 0;
+        for (int j = 0; j < 6; j++) a.row_floats[j * stride + r] = neutral[j];
+        a.row_ints[r] = a.row_ints[stride + r] = a.row_ints[2 * stride + r] = 0;
+    }
+    if (logprobs) return DPUF_SAMPLER_LOGPROBS;
+    if (penalty || cut) return DPUF_SAMPLER_FULL;
+    return greedy ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN;
+}
+
+/* All threads: graph g's static inputs, the works spread over the threads. */
+__device__ void fill_inputs(const sched_args &a, int32_t g, sched_smem &sm) {
+    const dpuf_sched *s = a.s;
+    if (threadIdx.x == 0) {
+        int32_t row = 0, tile = 0, sample = 0;
+        const int32_t p = s->c.per_tile;
+        for (int32_t i = 0; i < s->n_works; i++) {
+            sm.row[i] = row;
+            sm.tile[i] = tile;
+            sm.sample[i] = sample;
+            row += s->works[i].count;
+            tile += (s->works[i].count + p - 1) / p;
+            sample += s->works[i].sample;
+        }
+        sm.tokens = row;
+        sm.tiles = tile;
+        sm.samples = sample;
+    }
+    __syncthreads();
+    const dpuf_sched_graph *gr = s->graphs + g;
+    const dpuf_sched_fields f = dpuf_sched_fields_of(s, gr);
+    for (int32_t i = threadIdx.x; i < s->n_works; i += blockDim.x)
+        dpuf_sched_fill_work(s, &f, i, sm.row[i], sm.tile[i], gr->samples < 0 ? -1 : sm.sample[i]);
+    dpuf_sched_fill_padding(s, gr, &f, sm.tokens, sm.tiles, sm.samples, (int32_t)threadIdx.x, (int32_t)blockDim.x);
+    __syncthreads();
+}
+
+/* ---- the kernel ------------------------------------------------------------ */
+
+/* Thread 0: counters into the mailboxes and the stats mirror (plain stores
+ * into mapped host memory, never atomics). */
+__device__ void mirror(const sched_args &a) {
+    for (uint32_t c = 0; c < a.channel_count; c++) {
+        dpuf_mailbox *mb = a.mailboxes + c;
+        const chan_state *st = a.chan + c;
+        const dpuf_writer_channel *w = a.wstate + c;
+        store_vol_u64(&mb->records, st->counters[CNT_RECORDS]);
+        store_vol_u64(&mb->admitted, st->counters[CNT_ADMITTED]);
+        store_vol_u64(&mb->completed, w->completed);
+        store_vol_u64(&mb->cancelled, w->cancelled);
+        store_vol_u64(&mb->bad_records, st->counters[CNT_BAD]);
+        store_vol_u64(&mb->tokens, w->tokens);
+        store_vol_u64(&mb->published, w->published);
+        store_vol_u64(&mb->ring_full_waits, st->counters[CNT_RING_FULL]);
+    }
+    dpuf_model_stats *st = a.stats;
+    st->running = (uint64_t)a.s->n_running;
+    st->waiting = (uint64_t)a.s->wait_count;
+    st->free_blocks = (uint64_t)a.s->pool_free;
+    st->preemptions = (uint64_t)a.s->preemptions;
+    volatile uint64_t *dst = (volatile uint64_t *)a.stats_mirror;
+    const uint64_t *src = (const uint64_t *)st;
+    for (uint32_t i = 0; i < sizeof(dpuf_model_stats) / 8; i++) dst[i] = src[i];
+}
+
+__global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched_args *args) {
+    __shared__ writer_smem wsm;
+    __shared__ sched_smem sm;
+    const sched_args &a = *args;
+    dpuf_sched *s = a.s;
+    if (threadIdx.x == 0 && !a.ctl->started) {
+        a.ctl->started = 1;
+        dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_RUNNING);
+    }
+    for (;;) {
+        /* A. the last step's records; its finished sequences retire. */
+        publish(a, wsm);
+        if (threadIdx.x == 0) sm.stop = dpuf_load_acquire_sys(&a.kblock->stop) != 0 || a.stats->error != 0;
+        __syncthreads();
+        if (sm.stop) break;
+        /* B, C. */
+        for (uint32_t c = 0; c < a.channel_count; c++) run_mailbox(a, c, sm);
+        for (uint32_t c = 0; c < a.channel_count; c++)
+            if (a.chan[c].attached) intake(a, c, sm);
+        /* D. */
+        if (threadIdx.x == 0) {
+            for (uint32_t c = 0; c < a.channel_count; c++) {
+                const int64_t room = ring_room(a, c);
+                s->credits[c] = a.chan[c].attached ? (room > 0 ? room : 0) : 0;
+            }
+            dpuf_sched_schedule(s);
+            if (s->held) {
+                a.stats->held++;
+                for (uint32_t c = 0; c < a.channel_count; c++)
+                    if (s->held >> c & 1u) a.chan[c].counters[CNT_RING_FULL]++;
+            }
+            sm.graph = s->n_works ? dpuf_sched_graph_for(s) : -1;
+            if (s->n_works && sm.graph < 0) a.stats->error = DPUF_MODEL_ERR_NO_GRAPH;
+        }
+        __syncthreads();
+        const int32_t g = sm.graph;
+        if (g < 0) {
+            /* Nothing to run: publish what intake queued, or poll again. */
+            if (threadIdx.x == 0) {
+                mirror(a);
+                sm.go = a.ctl->n_finals == 0 && a.stats->error == 0;
+                if (sm.go) {
+                    a.stats->idle_polls++;
+                    __nanosleep((unsigned)a.idle_ns);
+                }
+            }
+            __syncthreads();
+            continue;
+        }
+        /* E. */
+        load_admitted(a);
+        fill_inputs(a, g, sm);
+        if (threadIdx.x == 0) {
+            const int32_t v = build_rows(a, g);
+            a.stats->steps++;
+            a.stats->tokens += (uint64_t)sm.tokens;
+            a.stats->sampled += (uint64_t)sm.samples;
+            a.stats->admitted += (uint64_t)s->n_admitted;
+            a.stats->variants[v]++;
+            dpuf_sched_commit(s);
+            mirror(a);
+            store_vol_u64(&a.kblock->steps, a.stats->steps);
+            /* F. The step, its sampler, this scheduler again: one after the
+             * other (a graph's tail launches run in the order enqueued). */
+            cudaError_t e = cudaGraphLaunch(a.forward[g], cudaStreamGraphTailLaunch);
+            if (e == cudaSuccess) e = cudaGraphLaunch(a.sampler[g][v], cudaStreamGraphTailLaunch);
+            if (e == cudaSuccess) e = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+            if (e != cudaSuccess) {
+                a.stats->error = DPUF_MODEL_ERR_LAUNCH;
+                mirror(a);
+                dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_FAILED);
+            }
+        }
+        return;
+    }
+    if (threadIdx.x == 0) {
+        mirror(a);
+        dpuf_store_release_sys(&a.kblock->state, a.stats->error ? DPUF_KERNEL_FAILED : DPUF_KERNEL_STOPPED);
+    }
+}
+
+/* One thread: the core's state laid out in its arena. */
+__global__ void init_kernel(dpuf_sched *s, dpuf_sched_config c, uint8_t *arena) { dpuf_sched_init(s, &c, arena); }
+
+/* ======================================================================== */
+/* Host API                                                                 */
+/* ======================================================================== */
+
+struct dpuf_model {
+    int device;
+    sched_args args; /* host copy, pushed to d_args at launch */
+    sched_args *d_args;
+    void *region_host;
+    uint32_t channel_count;
+    dpuf_sched_config config;
+    void *mbx_host; /* kernel block + mailboxes, pinned and mapped */
+    dpuf_model_stats *stats_host;
+    dpuf_writer_channel *wmirror_host;
+    void *allocs[16];
+    int n_allocs;
+    cudaGraphExec_t execs[DPUF_SCHED_MAX_GRAPHS * (DPUF_MODEL_VARIANTS + 1) + 1];
+    int n_execs;
+    cudaGraph_t sched_graph;
+    cudaStream_t stream, hb_stream;
+    heartbeat_args hargs;
+    bool launched;
+};
+
+template <typename T> static int device_alloc(dpuf_model *m, T **p, size_t bytes) {
+    DPUF_CHECK(cudaMalloc((void **)p, bytes ? bytes : 8));
+    DPUF_CHECK(cudaMemset(*p, 0, bytes ? bytes : 8));
+    m->allocs[m->n_allocs++] = *p;
+    return 0;
+}
+
+static void model_release(dpuf_model *m) {
+    for (int i = 0; i < m->n_execs; i++) DPUF_NOTE(cudaGraphExecDestroy(m->execs[i]));
+    if (m->sched_graph) DPUF_NOTE(cudaGraphDestroy(m->sched_graph));
+    for (int i = 0; i < m->n_allocs; i++) DPUF_NOTE(cudaFree(m->allocs[i]));
+    if (m->mbx_host) DPUF_NOTE(cudaFreeHost(m->mbx_host));
+    if (m->stats_host) DPUF_NOTE(cudaFreeHost(m->stats_host));
+    if (m->wmirror_host) DPUF_NOTE(cudaFreeHost(m->wmirror_host));
+    if (m->stream) DPUF_NOTE(cudaStreamDestroy(m->stream));
+    if (m->hb_stream) DPUF_NOTE(cudaStreamDestroy(m->hb_stream));
+    if (m->region_host) DPUF_NOTE(cudaHostUnregister(m->region_host));
+    free(m);
+}
+
+static bool validate(const dpuf_model_params *p) {
+    if (p == NULL || p->region_host == NULL || p->channels == NULL) return set_error("no region or channel table"), false;
+    if (p->channel_count == 0 || p->channel_count > DPUF_SCHED_MAX_CHANNELS)
+        return set_error("channel_count %u is not in [1, %u]", p->channel_count, DPUF_SCHED_MAX_CHANNELS), false;
+    if (p->eos_count > DPUF_MODEL_MAX_EOS) return set_error("more than %u EOS ids", DPUF_MODEL_MAX_EOS), false;
+    const dpuf_sched_config *c = &p->sched;
+    if (c->max_seqs < 1 || c->max_seqs > SCHED_MAX_SEQS || c->capacity < 1 || c->num_blocks < 1 ||
+        c->block_size < 1 || c->max_batched_tokens < 1 || c->max_model_len < 2 || c->per_tile < 1)
+        return set_error("scheduler sizes out of range (max_seqs 1..%d)", SCHED_MAX_SEQS), false;
+    if (p->tokens == NULL || p->counts == NULL || p->in_prompt == NULL || p->row_slot == NULL || p->row_pos == NULL ||
+        p->row_floats == NULL || p->row_ints == NULL || p->out_tokens == NULL || p->out_logprob == NULL ||
+        p->out_top_ids == NULL || p->out_top_logprobs == NULL)
+        return set_error("a runner or sampler buffer is missing"), false;
+    if (p->rows_stride < (uint32_t)c->max_seqs || p->vocab == 0 || p->vocab > p->vocab_rows)
+        return set_error("rows_stride below max_seqs, or vocab outside (0, vocab_rows]"), false;
+    for (uint32_t i = 0; i < p->channel_count; i++) {
+        const dpuf_channel_desc *d = p->channels + i;
+        if (d->resp_slot_size < DPUF_MIN_RESPONSE_SLOT_SIZE || d->resp_ring_offset > p->region_size ||
+            (uint64_t)d->resp_slots * d->resp_slot_size > p->region_size - d->resp_ring_offset ||
+            d->req_ring_offset > p->region_size ||
+            (uint64_t)d->req_slots * d->req_slot_size > p->region_size - d->req_ring_offset ||
+            d->arena_offset > p->region_size || d->arena_size > p->region_size - d->arena_offset ||
+            d->gpu_ctrl_offset + DPUF_CTRL_SIZE > p->region_size || d->dpu_ctrl_offset + DPUF_CTRL_SIZE > p->region_size)
+            return set_error("channel %u does not fit the %llu-byte region", i, (unsigned long long)p->region_size),
+                   false;
+    }
+    return true;
+}
+
+static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
+    DPUF_CHECK(cudaSetDevice(p->device));
+    DPUF_CHECK(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking));
+    DPUF_CHECK(cudaStreamCreateWithFlags(&m->hb_stream, cudaStreamNonBlocking));
+    DPUF_CHECK(cudaHostRegister(p->region_host, p->region_size, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    m->region_host = p->region_host;
+    sched_args *a = &m->args;
+    void *dev = NULL;
+    DPUF_CHECK(cudaHostGetDevicePointer(&dev, p->region_host, 0));
+    a->region = (uint8_t *)dev;
+    const dpuf_sched_config *c = &p->sched;
+    const uint32_t n = p->channel_count;
+    dpuf_channel_desc *channels = NULL;
+    if (device_alloc(m, &channels, sizeof(dpuf_channel_desc) * n)) return -1;
+    DPUF_CHECK(cudaMemcpy(channels, p->channels, sizeof(dpuf_channel_desc) * n, cudaMemcpyHostToDevice));
+    a->channels = channels;
+    a->channel_count = n;
+    a->vocab = p->vocab;
+    uint64_t finals = 0;
+    for (uint32_t i = 0; i < n; i++) finals += p->channels[i].resp_slots;
+    a->max_finals = (uint32_t)finals;
+    a->prompt_stride = ((uint64_t)c->max_model_len + 31u) / 32u * 32u;
+    uint8_t *arena = NULL;
+    if (device_alloc(m, &a->chan, sizeof(chan_state) * n) || device_alloc(m, &a->ctl, sizeof(sched_ctl)) ||
+        device_alloc(m, &a->s, sizeof(dpuf_sched)) || device_alloc(m, &arena, dpuf_sched_arena_bytes(c)) ||
+        device_alloc(m, &a->entries, sizeof(entry_info) * c->capacity) ||
+        device_alloc(m, &a->prompts, 4 * a->prompt_stride * c->capacity) ||
+        device_alloc(m, &a->row_entry, 4 * (size_t)c->max_seqs) ||
+        device_alloc(m, &a->finals, 8 * DPUF_WRITER_FINAL_WORDS * finals) ||
+        device_alloc(m, &a->arms, 8 * DPUF_WRITER_ARM_WORDS * (size_t)c->max_seqs) ||
+        device_alloc(m, &a->rows, 8 * DPUF_WRITER_ROW_WORDS * (size_t)c->max_seqs) ||
+        device_alloc(m, &a->wstate, sizeof(dpuf_writer_channel) * n) ||
+        device_alloc(m, &a->wslots, sizeof(writer_slot) * c->max_seqs) ||
+        device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)))
+        return -1;
+    const size_t mbx = DPUF_KERNEL_BLOCK_SIZE + (size_t)DPUF_MAILBOX_SIZE * n;
+    DPUF_CHECK(cudaHostAlloc(&m->mbx_host, mbx, cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(m->mbx_host, 0, mbx);
+    DPUF_CHECK(cudaHostAlloc((void **)&m->stats_host, sizeof(dpuf_model_stats), cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(m->stats_host, 0, sizeof(dpuf_model_stats));
+    DPUF_CHECK(cudaHostAlloc((void **)&m->wmirror_host, sizeof(dpuf_writer_channel) * n,
+                             cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(m->wmirror_host, 0, sizeof(dpuf_writer_channel) * n);
+    DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->mbx_host, 0));
+    a->kblock = (dpuf_kernel_block *)dev;
+    a->mailboxes = (dpuf_mailbox *)((uint8_t *)dev + DPUF_KERNEL_BLOCK_SIZE);
+    DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->stats_host, 0));
+    a->stats_mirror = (dpuf_model_stats *)dev;
+    DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->wmirror_host, 0));
+    a->wmirror = (dpuf_writer_channel *)dev;
+    a->tokens = p->tokens;
+    a->tokens_stride = (uint64_t)c->max_model_len;
+    a->counts = p->counts;
+    a->in_prompt = p->in_prompt;
+    a->vocab_rows = p->vocab_rows;
+    a->row_slot = p->row_slot;
+    a->row_pos = p->row_pos;
+    a->row_floats = p->row_floats;
+    a->row_ints = p->row_ints;
+    a->rows_stride = p->rows_stride;
+    a->out_tokens = p->out_tokens;
+    a->out_logprob = p->out_logprob;
+    a->out_top_ids = p->out_top_ids;
+    a->out_top_logprobs = p->out_top_logprobs;
+    memcpy(a->eos, p->eos, sizeof a->eos);
+    a->eos_count = p->eos_count;
+    a->idle_ns = p->idle_ns ? p->idle_ns : 2000u;
+    init_kernel<<<1, 1, 0, m->stream>>>(a->s, *c, arena);
+    DPUF_CHECK(cudaGetLastError());
+    DPUF_CHECK(cudaStreamSynchronize(m->stream));
+    m->hargs.region = a->region;
+    m->hargs.channels = a->channels;
+    m->hargs.channel_count = n;
+    m->hargs.kblock = a->kblock;
+    m->hargs.heartbeat_ns = p->heartbeat_ns ? p->heartbeat_ns : 100000u;
+    return 0;
+}
+
+/* Instantiate `graph` for device launch and upload it. */
+static int device_exec(dpuf_model *m, cudaGraph_t graph, cudaGraphExec_t *out) {
+    cudaGraphInstantiateParams ip = {};
+    ip.flags = cudaGraphInstantiateFlagDeviceLaunch;
+    const cudaError_t e = cudaGraphInstantiateWithParams(out, graph, &ip);
+    if (e != cudaSuccess) {
+        cudaGraphNodeType type = cudaGraphNodeTypeEmpty;
+        if (ip.errNode_out) cudaGraphNodeGetType(ip.errNode_out, &type);
+        set_error("a graph cannot be launched from the GPU: %s (instantiate result %d, node type %d)",
+                  cudaGetErrorString(e), (int)ip.result_out, (int)type);
+        return -1;
+    }
+    m->execs[m->n_execs++] = *out;
+    DPUF_CHECK(cudaGraphUpload(*out, m->stream));
+    return 0;
+}
+
+extern "C" {
+
+const char *dpuf_model_last_error(void) { return g_last_error; }
+
+dpuf_model *dpuf_model_create(const dpuf_model_params *p) {
+    if (!validate(p)) return nullptr;
+    dpuf_model *m = (dpuf_model *)calloc(1, sizeof *m);
+    if (!m) return set_error("out of host memory"), nullptr;
+    m->device = p->device;
+    m->channel_count = p->channel_count;
+    m->config = p->sched;
+    if (model_setup(m, p) != 0) {
+        model_release(m);
+        return nullptr;
+    }
+    return m;
+}
+
+int dpuf_model_add_graph(dpuf_model *m, int32_t tokens, int32_t seqs, int32_t tiles, int32_t samples, void *inputs,
+                         uint64_t forward, const uint64_t *samplers) {
+    sched_args *a = &m->args;
+    if (m->launched) return set_error("graphs are added before the launch"), -1;
+    if (a->n_graphs == DPUF_SCHED_MAX_GRAPHS) return set_error("more than %d graphs", DPUF_SCHED_MAX_GRAPHS), -1;
+    const int32_t rows = samples < 0 ? tokens : samples;
+    if (rows > (int32_t)m->config.max_seqs || tokens < 1 || seqs < 1 || tiles < 1 || inputs == NULL)
+        return set_error("a graph of %d rows does not fit %d sampler rows", rows, m->config.max_seqs), -1;
+    DPUF_CHECK(cudaSetDevice(m->device));
+    const int32_t g = a->n_graphs;
+    if (device_exec(m, (cudaGraph_t)(uintptr_t)forward, &a->forward[g])) return -1;
+    for (uint32_t v = 0; v < DPUF_MODEL_VARIANTS; v++)
+        if (device_exec(m, (cudaGraph_t)(uintptr_t)samplers[v], &a->sampler[g][v])) return -1;
+    a->samples[g] = rows;
+    dpuf_sched_graph gr = {tokens, seqs, tiles, samples, (uint8_t *)inputs};
+    DPUF_CHECK(cudaMemcpy(&a->s->graphs[g], &gr, sizeof gr, cudaMemcpyHostToDevice));
+    a->n_graphs = g + 1;
+    DPUF_CHECK(cudaMemcpy(&a->s->n_graphs, &a->n_graphs, sizeof a->n_graphs, cudaMemcpyHostToDevice));
+    return 0;
+}
+
+int dpuf_model_write_region(dpuf_model *m, uint64_t offset, const void *data, uint64_t n) {
+    memcpy((uint8_t *)m->region_host + offset, data, n);
+    return 0;
+}
+
+void *dpuf_model_mailbox(dpuf_model *m) { return m->mbx_host; }
+const dpuf_model_stats *dpuf_model_stats_mirror(dpuf_model *m) { return m->stats_host; }
+const dpuf_writer_channel *dpuf_model_writer_mirror(dpuf_model *m) { return m->wmirror_host; }
+
+int dpuf_model_launch(dpuf_model *m) {
+    if (m->launched) return set_error("the scheduler was already launched"), -1;
+    if (m->args.n_graphs == 0) return set_error("no step graph was added"), -1;
+    DPUF_CHECK(cudaSetDevice(m->device));
+    DPUF_CHECK(cudaMemcpy(m->d_args, &m->args, sizeof m->args, cudaMemcpyHostToDevice));
+    /* The scheduler as a one-node graph: only a graph may launch graphs. */
+    DPUF_CHECK(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal));
+    scheduler_kernel<<<1, SCHED_THREADS, 0, m->stream>>>(m->d_args);
+    const cudaError_t launched = cudaGetLastError();
+    const cudaError_t ended = cudaStreamEndCapture(m->stream, &m->sched_graph);
+    DPUF_CHECK(launched);
+    DPUF_CHECK(ended);
+    cudaGraphExec_t exec;
+    if (device_exec(m, m->sched_graph, &exec)) return -1;
+    (void)cudaGetLastError();
+    heartbeat_kernel<<<1, 32, 0, m->hb_stream>>>(m->hargs);
+    DPUF_CHECK(cudaGetLastError());
+    DPUF_CHECK(cudaGraphLaunch(exec, m->stream));
+    m->launched = true;
+    return 0;
+}
+
+static int kernels_state(dpuf_model *m) {
+    const int hb = stream_state(m->hb_stream);
+    if (hb < 0) return -1;
+    const int sc = stream_state(m->stream);
+    if (sc < 0) return -1;
+    return (hb || sc) ? 1 : 0;
+}
+
+int dpuf_model_poll(dpuf_model *m) {
+    if (!m->launched) return set_error("the scheduler was not launched"), -1;
+    DPUF_CHECK(cudaSetDevice(m->device));
+    const int s = kernels_state(m);
+    if (s == 1 && m->stats_host->error) {
+        set_error("the scheduler stopped: error %llu", (unsigned long long)m->stats_host->error);
+        return -1;
+    }
+    return s;
+}
+
+int dpuf_model_stop(dpuf_model *m, uint32_t timeout_ms) {
+    if (!m->launched) return 0;
+    DPUF_CHECK(cudaSetDevice(m->device));
+    /* Release: a plain host store the kernels read with an acquire. */
+    __atomic_store_n(&((dpuf_kernel_block *)m->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
+    const uint64_t deadline = monotonic_ms() + timeout_ms;
+    for (;;) {
+        const int s = kernels_state(m);
+        if (s <= 0) return s;
+        if (monotonic_ms() >= deadline)
+            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
+        sleep_us(200);
+    }
+}
+
+void dpuf_model_destroy(dpuf_model *m) {
+    if (m == NULL) return;
+    DPUF_NOTE(cudaSetDevice(m->device));
+    if (m->launched && kernels_state(m) == 1 && dpuf_model_stop(m, 2000) != 0 && kernels_state(m) == 1) {
+        /* Still running: freeing its memory would pull it from under it. */
+        set_error("dpuf_model_destroy: the kernels did not stop; their memory is left allocated");
+        free(m);
+        return;
+    }
+    model_release(m);
+}
+
+} /* extern "C" */

@@ -1,0 +1,190 @@
+"""``model-peer --scheduler gpu``: the engine loop inside the GPU, behind the daemon.
+
+test_model_serving.py runs its SDK scenarios against this peer too (the tokens of
+every sampler stage equal the host engine's, log probabilities, cancels). Here: a
+KV cache too small for the load (preemption, admission waiting), a thousand
+concurrent streams, the launcher killed with ``kill -9`` and restarted, and the
+host's share of the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from dpu_frontend.control.stats import peer_report
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.options import EngineOptions, RunnerOptions
+from dpu_frontend.model.runner import ModelRunner
+from dpu_frontend.ring.records import SamplingParams
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.integration.scenarios import check_peer_killed_mid_stream
+from tests.stack import MODEL, Stack, running_stack
+
+pytestmark = pytest.mark.gpu
+
+SEED = 20261127
+TIMEOUT = 600  # model load, graph captures and the first nvcc build
+RING = ("--max-sequences", "1024", "--resp-slots", "2048")
+#: 20 KV blocks of 32 tokens: 640 tokens for requests that want up to 250 each.
+SMALL_KV = ("--scheduler", "gpu", "--max-seqs", "16", "--max-model-len", "512", "--kv-blocks",
+            "20", "--weight-seed", str(SEED), *RING)
+WIDE = ("--scheduler", "gpu", "--max-seqs", "256", "--max-model-len", "1024", "--kv-blocks",
+        "2048", "--weight-seed", str(SEED), *RING)
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[ModelEngine]:
+    """The host-driven engine on the same weights: what every answer must equal."""
+    config = ModelConfig.default()
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=128, max_seqs=16,
+                                               max_model_len=512,
+                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
+    runner.load()
+    yield ModelEngine(config, runner, EngineOptions())
+    del runner
+    torch.cuda.empty_cache()
+
+
+async def report(stack: Stack) -> dict[str, Any]:
+    return await peer_report(stack.peer_address())
+
+
+async def complete(session: aiohttp.ClientSession, stack: Stack, body: dict[str, Any]
+                   ) -> dict[str, Any]:
+    async with session.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, **body}) as r:
+        answer: dict[str, Any] = await r.json()
+        assert r.status == 200, answer
+        return answer
+
+
+async def test_kv_exhaustion_preempts_and_waits_and_changes_no_token(
+        offline: ModelEngine) -> None:
+    """Twelve greedy requests of up to 250 tokens each against a 640-token cache: the
+    scheduler admits what fits, preempts the youngest when a decode finds no block,
+    recomputes it later; every answer is the host engine's, token for token."""
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    prompts = [f"Request {i} asks the scheduler inside the GPU for room." * (1 + i % 3)
+               for i in range(12)]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    expected = offline.generate([vocab.encode(p) for p in prompts], [params] * len(prompts))
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=SMALL_KV) as stack:
+        async with aiohttp.ClientSession() as session:
+            answers = await asyncio.gather(*(complete(session, stack, {
+                "prompt": p, "max_tokens": 200, "temperature": 0.0, "ignore_eos": True})
+                for p in prompts))
+        kernel = (await report(stack))["kernel"]
+    for answer, want in zip(answers, expected, strict=True):
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 200
+        assert answer["choices"][0]["text"] == vocab.decode(want.tokens)
+    assert kernel["scheduler"] == "gpu"
+    assert kernel["preemptions"] > 0, kernel
+    assert kernel["running"] == 0 and kernel["waiting"] == 0 and kernel["free_blocks"] == 20
+    print(f"12 requests in a 640-token cache: {kernel['preemptions']} preemptions, "
+          f"{kernel['steps']} steps, every answer the host engine's")
+
+
+async def test_a_thousand_concurrent_streams() -> None:
+    streams = 1000
+
+    async def one(session: aiohttp.ClientSession, stack: Stack, i: int) -> tuple[str, int]:
+        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 24, "ignore_eos": True,
+                "temperature": 1.0, "seed": i, "stream": True,
+                "stream_options": {"include_usage": True}}
+        finish, tokens = "", 0
+        async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for raw in resp.content:
+                line = raw.decode().strip().removeprefix("data: ")
+                if not line or line == "[DONE]":
+                    continue
+                chunk = json.loads(line)
+                if chunk.get("choices") and chunk["choices"][0]["finish_reason"]:
+                    finish = chunk["choices"][0]["finish_reason"]
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return finish, tokens
+
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=WIDE) as stack:
+        started = time.monotonic()
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            results = await asyncio.gather(*(one(session, stack, i) for i in range(streams)))
+        took = time.monotonic() - started
+        kernel = (await report(stack))["kernel"]
+    assert results == [("length", 24)] * streams
+    assert kernel["sampled"] >= streams * 24 and kernel["running"] == 0
+    print(f"{streams} concurrent streams of 24 tokens through the GPU scheduler in {took:.1f} s: "
+          f"{kernel['steps']} steps, {kernel['sampled']} tokens drawn")
+
+
+async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
+    """kill -9 of the launcher while the scheduler runs: the daemon ends the open
+    stream with an error and refuses the waiting request; the restarted launcher
+    (the GPU usable again) serves a new epoch."""
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=SMALL_KV) as stack:
+        first = (await report(stack))["channels"][0]
+        await check_peer_killed_mid_stream(stack, max_tokens=400)
+        stack.peers[0].restart()
+        async with aiohttp.ClientSession() as session:
+            for _ in range(6000):
+                async with session.get(f"{stack.base_url}/health") as health:
+                    if health.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            second = (await report(stack))["channels"][0]
+            assert second["attached"] and second["epoch"] != first["epoch"]
+            answer = await complete(session, stack, {"prompt": "After the restart",
+                                                     "max_tokens": 16, "temperature": 0.0})
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+    print(f"launcher killed and restarted: epoch {first['epoch']} -> {second['epoch']}, served")
+
+
+async def test_the_host_is_out_of_the_token_path() -> None:
+    """While 64 streams run, the launcher process's CPU time grows by a small fraction of
+    a core: it answers the control plane only (the benchmark measures it per 1,000
+    tokens; this checks the mode, not a figure)."""
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=WIDE) as stack:
+        pid = stack.peer.pid
+
+        def cpu_s() -> float:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, clock ticks
+
+        before, t0 = cpu_s(), time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            answers = await asyncio.gather(*(complete(session, stack, {
+                "prompt": f"host {i}", "max_tokens": 256, "ignore_eos": True, "seed": i})
+                for i in range(64)))
+        used, wall = cpu_s() - before, time.monotonic() - t0
+        kernel = (await report(stack))["kernel"]
+    tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+    assert tokens == 64 * 256
+    assert used < 0.25 * wall, (used, wall)
+    print(f"{tokens} tokens in {wall:.2f} s; the launcher used {used:.3f} s of CPU "
+          f"({1000 * used / tokens * 1000:.2f} ms per 1,000 tokens), {kernel['steps']} steps")
+
+
+def test_sigterm_stops_the_scheduler() -> None:
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=SMALL_KV) as stack:
+        stack.peer.send_signal(signal.SIGTERM)
+        assert stack.peer.wait(timeout=60) == 0
