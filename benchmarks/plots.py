@@ -3,7 +3,9 @@
 ``frontend_plots`` draws a ``frontend_load`` run: latency against the offered rate
 (open loop) and CPU per token against the streams held open (closed loop), beside
 the bare pipeline's. ``scaling_plot`` draws throughput against worker processes
-(``benchmarks.frontend_scaling``), beside linear.
+(``benchmarks.frontend_scaling``), beside linear. ``blink_plot`` draws Blink's
+experiment (``benchmarks.blink``): latency against the request rate for each
+scheduler, quiet and under interference.
 """
 
 from __future__ import annotations
@@ -66,6 +68,33 @@ def scaling_plot(points: list[dict[str, Any]], into: Path) -> Path:
     ax.set_title("Throughput against workers")
     ax.legend()
     return _save(fig, into / "throughput_vs_workers.png")
+
+
+def blink_plot(runs: list[dict[str, Any]], into: Path) -> Path:
+    """``runs``: ``benchmarks.blink`` results, one per scheduler mode."""
+    into.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("tpot_p99_ms", "TPOT p99, ms"), ("ttft_p99_ms", "TTFT p99, ms"),
+              ("output_tokens_per_s", "output tokens/s"))
+    for run in runs:
+        for setting, style in (("quiet", "-"), ("interference", "--")):
+            points = sorted((p for p in run["points"] if p["setting"] == setting),
+                            key=lambda p: p["rate"])
+            rates = [p["rate"] for p in points]
+            color = "tab:blue" if run["mode"] == "gpu" else "tab:red"
+            for ax, (key, _) in zip(axes, panels, strict=True):
+                ax.plot(rates, [p[key] for p in points], style, marker="o", color=color,
+                        label=f"--scheduler {run['mode']}, {setting}")
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        ax.set_xscale("log", base=2)
+        if key != "output_tokens_per_s":
+            ax.set_yscale("log")
+        ax.set_xlabel("offered rate, requests/s (ShareGPT)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Scheduler inside the GPU vs host-driven loop, quiet and beside a CPU co-tenant")
+    return _save(fig, into / "blink_latency_vs_rate.png")
 
 
 def _save(fig: Any, path: Path) -> Path:

@@ -112,6 +112,12 @@ class ModelStats(ctypes.Structure):
         ("waiting", ctypes.c_uint64),
         ("free_blocks", ctypes.c_uint64),
         ("error", ctypes.c_uint64),
+        ("ns_publish", ctypes.c_uint64),
+        ("ns_intake", ctypes.c_uint64),
+        ("ns_schedule", ctypes.c_uint64),
+        ("ns_prepare", ctypes.c_uint64),
+        ("ns_idle", ctypes.c_uint64),
+        ("ns_step", ctypes.c_uint64),
     )
 
 

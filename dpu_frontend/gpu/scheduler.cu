@@ -75,7 +75,8 @@ struct chan_state {
 struct sched_ctl {
     uint32_t n_finals, n_arms, n_rows; /* queued for the next publish */
     uint32_t started;
-    uint64_t seeds; /* draws of seeds for requests without one */
+    uint64_t seeds;       /* draws of seeds for requests without one */
+    uint64_t launched_at; /* when the last run launched its step (global timer, ns) */
 };
 
 struct sched_args {
@@ -121,6 +122,9 @@ struct sched_args {
     cudaGraphExec_t sampler[DPUF_SCHED_MAX_GRAPHS][DPUF_MODEL_VARIANTS];
 };
 
+/* The scheduler's timed phases (dpuf_model_stats.ns_*). */
+enum { PH_PUBLISH, PH_INTAKE, PH_SCHEDULE, PH_COUNT };
+
 /* The block's scratch: thread 0 decides, everyone reads after a barrier. */
 struct sched_smem {
     uint32_t words[32];
@@ -129,6 +133,8 @@ struct sched_smem {
     int entry;
     int duplicate;
     int32_t graph, variant, tokens, tiles, samples;
+    uint64_t t;     /* thread 0's clock of the phase timers */
+    uint64_t ph[PH_COUNT]; /* this pass's phases so far */
     int32_t row[SCHED_MAX_SEQS], tile[SCHED_MAX_SEQS], sample[SCHED_MAX_SEQS];
 };
 
@@ -413,46 +419,76 @@ __device__ void load_admitted(const sched_args &a) {
     }
 }
 
-/* Thread 0: the sampler's rows and the writer's, in the order of the
- * sampling works; padding rows up to the graph's draw nothing that counts
- * (slot max_seqs is the token buffer's padding row). Returns the variant. */
-__device__ int32_t build_rows(const sched_args &a, int32_t graph) {
+/* All threads: the sampler's rows and the writer's, row k for the k-th sampling
+ * work (fill_inputs counted them); padding rows up to the graph's draw nothing
+ * that counts (slot max_seqs is the token buffer's padding row). Returns the
+ * sampler variant, the same in every thread. */
+__device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_smem &sm) {
     const dpuf_sched *s = a.s;
+    /* Locals, not fields of *args: a store through one of these pointers would
+     * otherwise make the compiler reload every field after it. */
+    int64_t *const row_slot = a.row_slot, *const row_pos = a.row_pos, *const row_ints = a.row_ints;
+    float *const row_floats = a.row_floats;
+    int64_t *const rows = a.rows;
+    int32_t *const row_entry = a.row_entry;
+    const entry_info *const entries = a.entries;
+    const dpuf_sched_work *const works = s->works;
+    const dpuf_sched_seq *const seqs = s->seqs;
     const uint32_t stride = a.rows_stride;
-    int32_t k = 0;
+    const int32_t n = s->n_works, padded = a.samples[graph], pad_slot = s->c.max_seqs;
     bool greedy = true, penalty = false, cut = false, logprobs = false;
-    for (int32_t i = 0; i < s->n_works; i++) {
-        const dpuf_sched_work *w = s->works + i;
-        if (!w->sample) continue;
-        const dpuf_sched_seq *q = s->seqs + w->seq;
-        const entry_info *en = a.entries + w->seq;
-        const int32_t total = q->prompt_len + q->generated; /* before this step's token */
-        a.row_slot[k] = q->slot;
-        a.row_pos[k] = total;
-        for (int j = 0; j < 6; j++) a.row_floats[j * stride + k] = en->f[j];
-        a.row_ints[k] = en->top_k;
-        a.row_ints[stride + k] = (int64_t)en->seed;
-        a.row_ints[2 * stride + k] = q->generated;
-        a.rows[2 * k] = q->slot;
-        a.rows[2 * k + 1] = total + 1;
-        a.row_entry[k] = w->seq;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const dpuf_sched_work w = works[i];
+        if (!w.sample) continue;
+        const int32_t k = sm.sample[i];
+        const dpuf_sched_seq q = seqs[w.seq];
+        const entry_info *en = entries + w.seq;
+        const int32_t total = q.prompt_len + q.generated; /* before this step's token */
+        row_slot[k] = q.slot;
+        row_pos[k] = total;
+        for (int j = 0; j < 6; j++) row_floats[j * stride + k] = en->f[j];
+        row_ints[k] = en->top_k;
+        row_ints[stride + k] = (int64_t)en->seed;
+        row_ints[2 * stride + k] = q.generated;
+        rows[2 * k] = q.slot;
+        rows[2 * k + 1] = total + 1;
+        row_entry[k] = w.seq;
         greedy &= en->f[0] < 1e-5f;
         penalty |= en->penalized != 0;
         cut |= en->top_k != 0 || en->f[1] < 1.0f || en->f[2] > 0.0f;
         logprobs |= (en->flags & DPUF_WRITER_LOGPROBS) != 0;
-        k++;
     }
-    a.ctl->n_rows = (uint32_t)k;
     const float neutral[6] = {0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 1.0f};
-    for (int32_t r = k; r < a.samples[graph]; r++) {
-        a.row_slot[r] = s->c.max_seqs;
-        a.row_pos[r] = 0;
-        for (int j = 0; j < 6; j++) a.row_floats[j * stride + r] = neutral[j];
-        a.row_ints[r] = a.row_ints[stride + r] = a.row_ints[2 * stride + r] = 0;
+    for (int32_t r = sm.samples + threadIdx.x; r < padded; r += blockDim.x) {
+        row_slot[r] = pad_slot;
+        row_pos[r] = 0;
+        for (int j = 0; j < 6; j++) row_floats[j * stride + r] = neutral[j];
+        row_ints[r] = row_ints[stride + r] = row_ints[2 * stride + r] = 0;
     }
+    greedy = __syncthreads_and(greedy);
+    penalty = __syncthreads_or(penalty);
+    cut = __syncthreads_or(cut);
+    logprobs = __syncthreads_or(logprobs);
     if (logprobs) return DPUF_SAMPLER_LOGPROBS;
     if (penalty || cut) return DPUF_SAMPLER_FULL;
     return greedy ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN;
+}
+
+/* All threads: the step ran (it will have, by the time anyone reads them):
+ * each work's KV is in the cache, each sampling sequence has one more token.
+ * A sequence appears in one work at most, so the works go to threads freely
+ * (dpuf_sched_commit's effect, spread). */
+__device__ void commit(const sched_args &a) {
+    dpuf_sched *s = a.s;
+    const int32_t n = s->n_works;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const dpuf_sched_work w = s->works[i];
+        dpuf_sched_seq *q = s->seqs + w.seq;
+        if (q->status != DPUF_SEQ_RUNNING) continue;
+        q->computed = w.start + w.count;
+        q->generated += w.sample;
+    }
+    __syncthreads();
 }
 
 /* All threads: graph g's static inputs, the works spread over the threads. */
@@ -483,6 +519,18 @@ __device__ void fill_inputs(const sched_args &a, int32_t g, sched_smem &sm) {
 }
 
 /* ---- the kernel ------------------------------------------------------------ */
+
+/* Thread 0: the time since the last lap into phase `ph` of this pass; every
+ * thread leaves past a barrier. A pass that launches a step adds its phases
+ * to the stats; an idle poll's count as idle. */
+__device__ void lap(sched_smem &sm, int ph) {
+    if (threadIdx.x == 0) {
+        const uint64_t now = global_timer_ns();
+        sm.ph[ph] += now - sm.t;
+        sm.t = now;
+    }
+    __syncthreads();
+}
 
 /* Thread 0: counters into the mailboxes and the stats mirror (plain stores
  * into mapped host memory, never atomics). */
@@ -519,9 +567,17 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         a.ctl->started = 1;
         dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_RUNNING);
     }
+    if (threadIdx.x == 0) {
+        sm.t = global_timer_ns();
+        sm.ph[PH_PUBLISH] = sm.ph[PH_INTAKE] = sm.ph[PH_SCHEDULE] = 0;
+        /* The step graphs ran between the last run's launch and now. */
+        if (a.ctl->launched_at) a.stats->ns_step += sm.t - a.ctl->launched_at;
+        a.ctl->launched_at = 0;
+    }
     for (;;) {
         /* A. the last step's records; its finished sequences retire. */
         publish(a, wsm);
+        lap(sm, PH_PUBLISH);
         if (threadIdx.x == 0) sm.stop = dpuf_load_acquire_sys(&a.kblock->stop) != 0 || a.stats->error != 0;
         __syncthreads();
         if (sm.stop) break;
@@ -529,6 +585,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         for (uint32_t c = 0; c < a.channel_count; c++) run_mailbox(a, c, sm);
         for (uint32_t c = 0; c < a.channel_count; c++)
             if (a.chan[c].attached) intake(a, c, sm);
+        lap(sm, PH_INTAKE);
         /* D. */
         if (threadIdx.x == 0) {
             for (uint32_t c = 0; c < a.channel_count; c++) {
@@ -544,7 +601,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
             sm.graph = s->n_works ? dpuf_sched_graph_for(s) : -1;
             if (s->n_works && sm.graph < 0) a.stats->error = DPUF_MODEL_ERR_NO_GRAPH;
         }
-        __syncthreads();
+        lap(sm, PH_SCHEDULE);
         const int32_t g = sm.graph;
         if (g < 0) {
             /* Nothing to run: publish what intake queued, or poll again. */
@@ -555,6 +612,10 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                     a.stats->idle_polls++;
                     __nanosleep((unsigned)a.idle_ns);
                 }
+                const uint64_t now = global_timer_ns();
+                a.stats->ns_idle += now - sm.t + sm.ph[PH_PUBLISH] + sm.ph[PH_INTAKE] + sm.ph[PH_SCHEDULE];
+                sm.ph[PH_PUBLISH] = sm.ph[PH_INTAKE] = sm.ph[PH_SCHEDULE] = 0;
+                sm.t = now;
             }
             __syncthreads();
             continue;
@@ -562,23 +623,31 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         /* E. */
         load_admitted(a);
         fill_inputs(a, g, sm);
+        const int32_t v = build_rows(a, g, sm);
+        commit(a);
         if (threadIdx.x == 0) {
-            const int32_t v = build_rows(a, g);
-            a.stats->steps++;
-            a.stats->tokens += (uint64_t)sm.tokens;
-            a.stats->sampled += (uint64_t)sm.samples;
-            a.stats->admitted += (uint64_t)s->n_admitted;
-            a.stats->variants[v]++;
-            dpuf_sched_commit(s);
+            a.ctl->n_rows = (uint32_t)sm.samples;
+            dpuf_model_stats *st = a.stats;
+            st->steps++;
+            st->tokens += (uint64_t)sm.tokens;
+            st->sampled += (uint64_t)sm.samples;
+            st->admitted += (uint64_t)s->n_admitted;
+            st->variants[v]++;
             mirror(a);
-            store_vol_u64(&a.kblock->steps, a.stats->steps);
+            store_vol_u64(&a.kblock->steps, st->steps);
+            const uint64_t now = global_timer_ns();
+            st->ns_prepare += now - sm.t;
+            st->ns_publish += sm.ph[PH_PUBLISH];
+            st->ns_intake += sm.ph[PH_INTAKE];
+            st->ns_schedule += sm.ph[PH_SCHEDULE];
+            a.ctl->launched_at = now;
             /* F. The step, its sampler, this scheduler again: one after the
              * other (a graph's tail launches run in the order enqueued). */
             cudaError_t e = cudaGraphLaunch(a.forward[g], cudaStreamGraphTailLaunch);
             if (e == cudaSuccess) e = cudaGraphLaunch(a.sampler[g][v], cudaStreamGraphTailLaunch);
             if (e == cudaSuccess) e = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
             if (e != cudaSuccess) {
-                a.stats->error = DPUF_MODEL_ERR_LAUNCH;
+                st->error = DPUF_MODEL_ERR_LAUNCH;
                 mirror(a);
                 dpuf_store_release_sys(&a.kblock->state, DPUF_KERNEL_FAILED);
             }

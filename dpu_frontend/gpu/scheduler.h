@@ -88,6 +88,17 @@ typedef struct dpuf_model_stats {
     uint64_t waiting;         /* 104 */
     uint64_t free_blocks;     /* 112 */
     uint64_t error;           /* 120 DPUF_MODEL_ERR_* (sticky) */
+    /* Where the time goes, ns of the GPU's clock: the scheduler's phases in
+     * the passes that launched a step (A, publish and retire; B-C, mailbox and
+     * intake; D, schedule; E, prepare and launch), its passes with nothing to
+     * run (idle, sleeps included), and the step graphs themselves (from a
+     * launch to the next run's start: forward, sampler, launch gaps). */
+    uint64_t ns_publish;      /* 128 */
+    uint64_t ns_intake;       /* 136 */
+    uint64_t ns_schedule;     /* 144 */
+    uint64_t ns_prepare;      /* 152 */
+    uint64_t ns_idle;         /* 160 */
+    uint64_t ns_step;         /* 168 */
 } dpuf_model_stats;
 
 /* dpuf_model_stats.error: what stopped the scheduler. */
