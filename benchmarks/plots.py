@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+from matplotlib.ticker import ScalarFormatter
 
 
 def frontend_plots(runs: list[dict[str, Any]], into: Path) -> list[Path]:
@@ -89,6 +90,8 @@ def blink_plot(runs: list[dict[str, Any]], into: Path) -> Path:
         ax.set_xscale("log", base=2)
         if key != "output_tokens_per_s":
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.set_xlabel("offered rate, requests/s (ShareGPT)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
