@@ -901,13 +901,7 @@ int dpuf_model_launch(dpuf_model *m) {
     return 0;
 }
 
-static int kernels_state(dpuf_model *m) {
-    const int hb = stream_state(m->hb_stream);
-    if (hb < 0) return -1;
-    const int sc = stream_state(m->stream);
-    if (sc < 0) return -1;
-    return (hb || sc) ? 1 : 0;
-}
+static int kernels_state(dpuf_model *m) { return streams_state(m->hb_stream, m->stream); }
 
 int dpuf_model_poll(dpuf_model *m) {
     if (!m->launched) return set_error("the scheduler was not launched"), -1;
@@ -923,16 +917,7 @@ int dpuf_model_poll(dpuf_model *m) {
 int dpuf_model_stop(dpuf_model *m, uint32_t timeout_ms) {
     if (!m->launched) return 0;
     DPUF_CHECK(cudaSetDevice(m->device));
-    /* Release: a plain host store the kernels read with an acquire. */
-    __atomic_store_n(&((dpuf_kernel_block *)m->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
-    const uint64_t deadline = monotonic_ms() + timeout_ms;
-    for (;;) {
-        const int s = kernels_state(m);
-        if (s <= 0) return s;
-        if (monotonic_ms() >= deadline)
-            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
-        sleep_us(200);
-    }
+    return stop_streams(&((dpuf_kernel_block *)m->mbx_host)->stop, m->hb_stream, m->stream, timeout_ms);
 }
 
 void dpuf_model_destroy(dpuf_model *m) {

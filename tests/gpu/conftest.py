@@ -23,7 +23,8 @@ from dpu_frontend.gpu.runtime import find_nvcc
 _MODEL_STACK = ("torch", "triton", "transformers", "numpy")
 if os.environ.get("DPU_FRONTEND_REQUIRE_GPU") != "1" and not all(
         importlib.util.find_spec(m) for m in _MODEL_STACK):
-    collect_ignore = ["test_model.py", "test_model_serving.py", "test_record_writer.py"]
+    collect_ignore = ["test_model.py", "test_model_serving.py", "test_record_writer.py",
+                      "test_gpu_scheduler.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)
