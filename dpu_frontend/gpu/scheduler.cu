@@ -45,6 +45,7 @@
 
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
+#define INTAKE_PER_PASS 256u         /* request records a channel's intake takes in one pass */
 #define N_COUNTERS 8                 /* the mailbox's, in its order */
 enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL };
 
@@ -289,13 +290,15 @@ __device__ void fill_entry(const sched_args &a, int32_t e, uint32_t c, const uin
     en->penalized = en->f[3] != 0.0f || en->f[4] != 0.0f || en->f[5] != 1.0f;
 }
 
-/* Take in every committed record of attached channel c, all threads. */
+/* Take in the committed records of attached channel c, all threads; at most
+ * INTAKE_PER_PASS a pass, so that a burst of arrivals delays the running
+ * sequences' next step by that many records at most (the rest wait a step). */
 __device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
     const dpuf_channel_desc *d = a.channels + c;
     chan_state *st = a.chan + c;
     const uint64_t first = st->next_req_seq;
     uint64_t seq = first;
-    for (;;) {
+    while (seq - first < INTAKE_PER_PASS) {
         if (threadIdx.x == 0) {
             sm.verdict = read_request(a.region, d, st->epoch, seq, sm.words);
             /* A record that may end in a final (a cancel, a refusal) waits

@@ -170,3 +170,15 @@ def test_model_peer_flags() -> None:
         model_peer_options(parse("--memory-fraction", "0.01"))
     with pytest.raises(ValueError, match="max_batched_tokens"):
         model_peer_options(parse("--max-batched-tokens", "0"))
+
+
+def test_scheduler_flags() -> None:
+    """``--scheduler gpu`` and what it cannot go with, refused before a GPU is touched."""
+    assert model_peer_options(parse()).scheduler == "host"
+    options = model_peer_options(parse("--scheduler", "gpu", "--scheduler-library", "/x.so"))
+    assert options.scheduler == "gpu" and str(options.scheduler_library) == "/x.so"
+    for flags, why in ((("--no-cuda-graphs",), "captured steps"),
+                       (("--records", "host"), "records on the GPU"),
+                       (("--max-seqs", "1025"), "1024 sequences")):
+        with pytest.raises(ValueError, match=why):
+            model_peer_options(parse("--scheduler", "gpu", *flags))
