@@ -57,15 +57,6 @@ static inline int stream_state(cudaStream_t s) {
     return -1;
 }
 
-/* 1: either stream still has work, 0: both done, -1: an error (recorded). */
-static inline int streams_state(cudaStream_t a, cudaStream_t b) {
-    const int sa = stream_state(a);
-    if (sa < 0) return -1;
-    const int sb = stream_state(b);
-    if (sb < 0) return -1;
-    return (sa || sb) ? 1 : 0;
-}
-
 static inline void sleep_us(long us) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
     nanosleep(&ts, NULL);
@@ -75,21 +66,6 @@ static inline uint64_t monotonic_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-/* Ask the persistent kernels on streams a and b to return (their stop word,
- * a release store the kernels read with an acquire) and wait for both at most
- * timeout_ms: 0 once both returned, -1 on an error or the timeout. */
-static inline int stop_streams(uint64_t *stop, cudaStream_t a, cudaStream_t b, uint32_t timeout_ms) {
-    __atomic_store_n(stop, (uint64_t)1, __ATOMIC_RELEASE);
-    const uint64_t deadline = monotonic_ms() + timeout_ms;
-    for (;;) {
-        const int s = streams_state(a, b);
-        if (s <= 0) return s;
-        if (monotonic_ms() >= deadline)
-            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
-        sleep_us(200);
-    }
 }
 
 #endif /* DPUF_CUDA_HOST_CUH */

@@ -958,7 +958,13 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
 
 /* 1: running, 0: returned, -1: an error (recorded). */
 /* 1: both kernels running or one still returning, 0: both returned, -1: error. */
-static int kernels_state(dpuf_peer *peer) { return streams_state(peer->hb_stream, peer->engine_stream); }
+static int kernels_state(dpuf_peer *peer) {
+    const int hb = stream_state(peer->hb_stream);
+    if (hb < 0) return -1;
+    const int en = stream_state(peer->engine_stream);
+    if (en < 0) return -1;
+    return (hb || en) ? 1 : 0;
+}
 
 extern "C" {
 
@@ -1093,8 +1099,16 @@ int dpuf_peer_stop(dpuf_peer *peer, uint32_t timeout_ms) {
     if (peer == NULL) return set_error("peer is NULL"), -1;
     if (!peer->launched) return 0;
     DPUF_CHECK(cudaSetDevice(peer->device));
-    return stop_streams(&((dpuf_kernel_block *)peer->mbx_host)->stop, peer->hb_stream, peer->engine_stream,
-                        timeout_ms);
+    /* Release: a plain host store the kernels read with an acquire. */
+    __atomic_store_n(&((dpuf_kernel_block *)peer->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
+    const uint64_t deadline = monotonic_ms() + timeout_ms;
+    for (;;) {
+        const int s = kernels_state(peer);
+        if (s <= 0) return s;
+        if (monotonic_ms() >= deadline)
+            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
+        sleep_us(200);
+    }
 }
 
 void dpuf_peer_destroy(dpuf_peer *peer) {

@@ -45,7 +45,6 @@
 
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
-#define INTAKE_PER_PASS 256u         /* request records a channel's intake takes in one pass */
 #define N_COUNTERS 8                 /* the mailbox's, in its order */
 enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL };
 
@@ -290,15 +289,13 @@ __device__ void fill_entry(const sched_args &a, int32_t e, uint32_t c, const uin
     en->penalized = en->f[3] != 0.0f || en->f[4] != 0.0f || en->f[5] != 1.0f;
 }
 
-/* Take in the committed records of attached channel c, all threads; at most
- * INTAKE_PER_PASS a pass, so that a burst of arrivals delays the running
- * sequences' next step by that many records at most (the rest wait a step). */
+/* Take in every committed record of attached channel c, all threads. */
 __device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
     const dpuf_channel_desc *d = a.channels + c;
     chan_state *st = a.chan + c;
     const uint64_t first = st->next_req_seq;
     uint64_t seq = first;
-    while (seq - first < INTAKE_PER_PASS) {
+    for (;;) {
         if (threadIdx.x == 0) {
             sm.verdict = read_request(a.region, d, st->epoch, seq, sm.words);
             /* A record that may end in a final (a cancel, a refusal) waits
@@ -904,7 +901,13 @@ int dpuf_model_launch(dpuf_model *m) {
     return 0;
 }
 
-static int kernels_state(dpuf_model *m) { return streams_state(m->hb_stream, m->stream); }
+static int kernels_state(dpuf_model *m) {
+    const int hb = stream_state(m->hb_stream);
+    if (hb < 0) return -1;
+    const int sc = stream_state(m->stream);
+    if (sc < 0) return -1;
+    return (hb || sc) ? 1 : 0;
+}
 
 int dpuf_model_poll(dpuf_model *m) {
     if (!m->launched) return set_error("the scheduler was not launched"), -1;
@@ -920,7 +923,16 @@ int dpuf_model_poll(dpuf_model *m) {
 int dpuf_model_stop(dpuf_model *m, uint32_t timeout_ms) {
     if (!m->launched) return 0;
     DPUF_CHECK(cudaSetDevice(m->device));
-    return stop_streams(&((dpuf_kernel_block *)m->mbx_host)->stop, m->hb_stream, m->stream, timeout_ms);
+    /* Release: a plain host store the kernels read with an acquire. */
+    __atomic_store_n(&((dpuf_kernel_block *)m->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
+    const uint64_t deadline = monotonic_ms() + timeout_ms;
+    for (;;) {
+        const int s = kernels_state(m);
+        if (s <= 0) return s;
+        if (monotonic_ms() >= deadline)
+            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
+        sleep_us(200);
+    }
 }
 
 void dpuf_model_destroy(dpuf_model *m) {
