@@ -54,8 +54,9 @@ from dpu_frontend.transport.shm import map_file
 
 log = logging.getLogger("dpu_frontend.model")
 
-#: What the sampler graphs hold at most at once, in [rows, vocab] float32 tensors: the
-#: full variant's sorts, masks and draws (measured on the H100: about 10).
+#: What the sampler graphs hold at most at once, in [rows, vocab] tensors of 8 bytes: an
+#: estimate from the full variant's stages (its two sorts' values and indices, the
+#: masks, the draw's hash words), not a measurement.
 SAMPLER_TEMPORARIES = 12
 
 

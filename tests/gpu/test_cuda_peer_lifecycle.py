@@ -16,7 +16,6 @@ from tests.integration.scenarios import (
     check_peer_killed_mid_stream,
     check_stream_equals_full_and_decode,
     raw_sse,
-    wait_until_healthy,
 )
 from tests.stack import MODEL, Stack, running_stack
 
@@ -98,7 +97,12 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
         # tokenizer's 131,072) keeps both requests open past the kill.
         await check_peer_killed_mid_stream(stack, max_tokens=130_000)
         stack.peers[0].restart()
-        await wait_until_healthy(stack)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):
+                async with session.get(f"{stack.base_url}/health") as health:
+                    if health.status == 200:
+                        break
+                await asyncio.sleep(0.05)
         second = await channel(stack)
         assert second["attached"] and second["epoch"] != first["epoch"]
         await check_stream_equals_full_and_decode(stack)

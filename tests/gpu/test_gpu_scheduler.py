@@ -18,14 +18,17 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 
 from dpu_frontend.control.stats import peer_report
+from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.options import EngineOptions, RunnerOptions
+from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.ring.records import SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.gpu.offline import offline_engine
-from tests.integration.scenarios import check_peer_killed_mid_stream, wait_until_healthy
+from tests.integration.scenarios import check_peer_killed_mid_stream
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -42,8 +45,16 @@ WIDE = ("--scheduler", "gpu", "--max-seqs", "256", "--max-model-len", "1024", "-
 
 @pytest.fixture(scope="module")
 def offline() -> Iterator[ModelEngine]:
-    with offline_engine(SEED, max_seqs=16, max_model_len=512, num_blocks=128) as engine:
-        yield engine
+    """The host-driven engine on the same weights: what every answer must equal."""
+    config = ModelConfig.default()
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=128, max_seqs=16,
+                                               max_model_len=512,
+                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
+    runner.load()
+    yield ModelEngine(config, runner, EngineOptions())
+    del runner
+    torch.cuda.empty_cache()
 
 
 async def report(stack: Stack) -> dict[str, Any]:
@@ -131,8 +142,12 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
         first = (await report(stack))["channels"][0]
         await check_peer_killed_mid_stream(stack, max_tokens=400)
         stack.peers[0].restart()
-        await wait_until_healthy(stack)
         async with aiohttp.ClientSession() as session:
+            for _ in range(6000):
+                async with session.get(f"{stack.base_url}/health") as health:
+                    if health.status == 200:
+                        break
+                await asyncio.sleep(0.1)
             second = (await report(stack))["channels"][0]
             assert second["attached"] and second["epoch"] != first["epoch"]
             answer = await complete(session, stack, {"prompt": "After the restart",

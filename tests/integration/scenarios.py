@@ -110,17 +110,6 @@ async def check_peer_killed_mid_stream(stack: Stack, max_tokens: int = 5000) -> 
             assert (await answer.json())["error"]["type"] == "service_unavailable"
 
 
-async def wait_until_healthy(stack: Stack) -> None:
-    """Until the daemon's ``/health`` answers 200 (a peer restarted and attached; a
-    model peer loads and captures first: ten minutes at most)."""
-    async with aiohttp.ClientSession() as session, asyncio.timeout(600):
-        while True:
-            async with session.get(f"{stack.base_url}/health") as health:
-                if health.status == 200:
-                    return
-            await asyncio.sleep(0.05)
-
-
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You answer briefly."},
     {"role": "user", "content": "What is a request ring? 🚀"}]
