@@ -1,10 +1,11 @@
-"""Building and loading the CUDA peer's library, and its ctypes binding.
+"""Building the CUDA libraries, and loading the CUDA peer's with its ctypes binding.
 
+Device code ships as package data beside the Python that owns its byte layouts:
 ``peer_kernel.cu`` (the persistent kernel and its host API, ``peer_kernel.h``)
-and ``record_writer.cu`` (the model's record writer, ``record_writer.h``)
-ship as package data and are built with nvcc on first use into a cache
-directory, named by a hash of their sources, so that an upgrade rebuilds
-them and a second start does not. A deployment without nvcc passes a prebuilt
+here, the model engine's (record writer, scheduler) in ``dpu_frontend/model/device``;
+both include the ring's device side from here. Each library is built with nvcc
+on first use into a cache directory, named by a hash of its sources, so that an
+upgrade rebuilds it and a second start does not. A deployment without nvcc passes a prebuilt
 library (``--library``). Nothing here is imported by the daemon: CUDA is an
 optional extra of the GPU side only.
 """
@@ -17,6 +18,7 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
@@ -24,25 +26,39 @@ from dpu_frontend.errors import StartupError
 
 log = logging.getLogger("dpu_frontend.gpu")
 
-SOURCES = ("peer_kernel.cu", "peer_kernel.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h")
-LIBRARY = "libdpuf_peer"
-#: The model's record writer (``dpu_frontend.model.publish``).
-RECORDS_SOURCES = ("record_writer.cu", "record_writer.h", "record_writer.cuh", "cuda_host.cuh",
-                   "ring_protocol.h")
-RECORDS_LIBRARY = "libdpuf_records"
-#: The scheduler inside the GPU (``dpu_frontend.model.gpu_scheduler``): device graph launch
-#: needs the device runtime, so relocatable device code and libcudadevrt.
-SCHED_SOURCES = ("scheduler.cu", "scheduler.h", "sched_core.h", "record_writer.cuh",
-                 "record_writer.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h")
-SCHED_LIBRARY = "libdpuf_sched"
-SCHED_FLAGS = ("-rdc=true", "-lcudadevrt")
-#: The GPU scheduler's core built for the host (``dpu_frontend.gpu.sched_core``, the tests).
-SCHED_HOST_SOURCES = ("sched_host.c", "sched_core.h")
-SCHED_HOST_LIBRARY = "libdpuf_sched_host"
+
+@dataclass(frozen=True, slots=True)
+class CudaSources:
+    """One library's sources: ``main`` (the .cu, or a .c built for the host) and every
+    file it includes, found in ``dirs`` (each a package's folder, searched in order and
+    passed to the compiler as include paths). The owner of the device code declares it
+    beside the code: the CUDA peer here, the model engine's in ``model/device``."""
+
+    library: str
+    main: str
+    includes: tuple[str, ...]
+    dirs: tuple[Path, ...]
+    flags: tuple[str, ...] = ()
+
+    def path(self, name: str) -> Path:
+        for folder in self.dirs:
+            if (folder / name).is_file():
+                return folder / name
+        raise StartupError(f"{name} of {self.library} is not in {', '.join(map(str, self.dirs))}")
+
+    def files(self) -> list[Path]:
+        return [self.path(name) for name in (self.main, *self.includes)]
 
 
 def source_dir() -> Path:
+    """This package's folder: the ring's device side and the CUDA peer."""
     return Path(str(files("dpu_frontend.gpu")))
+
+
+#: The CUDA peer (``launcher.py``).
+PEER_SOURCES = CudaSources("libdpuf_peer", "peer_kernel.cu",
+                           ("peer_kernel.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h"),
+                           (source_dir(),))
 
 
 def default_build_dir() -> Path:
@@ -63,43 +79,40 @@ def find_nvcc(nvcc: str | None = None) -> str:
                        "or pass a prebuilt --library")
 
 
-def build_command(nvcc: str, arch: str, output: Path, sources: tuple[str, ...] = SOURCES,
-                  flags: tuple[str, ...] = ()) -> list[str]:
-    src = source_dir()
-    rdc = [f for f in flags if not f.startswith("-l")]
-    libs = [f for f in flags if f.startswith("-l")]
+def build_command(nvcc: str, arch: str, output: Path, sources: CudaSources) -> list[str]:
+    rdc = [f for f in sources.flags if not f.startswith("-l")]
+    libs = [f for f in sources.flags if f.startswith("-l")]
     return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", *rdc, "-Xcompiler", "-fPIC", "-shared",
-            f"-I{src}", str(src / sources[0]), "-o", str(output), *libs]
+            *(f"-I{d}" for d in sources.dirs), str(sources.path(sources.main)), "-o", str(output),
+            *libs]
 
 
-def host_build_command(output: Path, sources: tuple[str, ...]) -> list[str]:
-    """A C library for the host (a .c first in ``sources``)."""
+def host_build_command(output: Path, sources: CudaSources) -> list[str]:
+    """A C library for the host (``sources.main`` a .c)."""
     compiler = next((cc for cc in ("cc", "gcc", "clang") if shutil.which(cc)), None)
     if compiler is None:
         raise StartupError("no C compiler: deploy/dev.sh setup installs gcc")
-    src = source_dir()
     return [compiler, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
-            "-fvisibility=hidden", f"-I{src}", str(src / sources[0]), "-o", str(output)]
+            "-fvisibility=hidden", *(f"-I{d}" for d in sources.dirs),
+            str(sources.path(sources.main)), "-o", str(output)]
 
 
-def build(build_dir: Path, *, arch: str = "sm_90", nvcc: str | None = None,
-          sources: tuple[str, ...] = SOURCES, library: str = LIBRARY,
-          flags: tuple[str, ...] = ()) -> Path:
-    """The library of ``sources`` (the .cu first) for ``arch``, built now unless
-    already cached; a .c first is built for the host with the C compiler (``arch``
-    names the cache entry only)."""
-    src = source_dir()
-    digest = hashlib.sha256(" ".join((arch, *flags)).encode())
-    for name in sources:
-        digest.update((src / name).read_bytes())
-    output = build_dir / f"{library}-{arch}-{digest.hexdigest()[:16]}.so"
+def build(build_dir: Path, sources: CudaSources = PEER_SOURCES, *, arch: str = "sm_90",
+          nvcc: str | None = None) -> Path:
+    """The library of ``sources`` for ``arch``, built now unless already cached (named by
+    a hash of every source, so an upgrade rebuilds it); a .c main is built for the host
+    with the C compiler (``arch`` names the cache entry only)."""
+    digest = hashlib.sha256(" ".join((arch, *sources.flags)).encode())
+    for path in sources.files():
+        digest.update(path.read_bytes())
+    output = build_dir / f"{sources.library}-{arch}-{digest.hexdigest()[:16]}.so"
     if output.is_file():
         return output
     build_dir.mkdir(parents=True, exist_ok=True)
     partial = output.with_suffix(f".{os.getpid()}.tmp")
-    command = (host_build_command(partial, sources) if sources[0].endswith(".c")
-               else build_command(find_nvcc(nvcc), arch, partial, sources, flags))
-    log.info("building %s: %s", library, " ".join(command))
+    command = (host_build_command(partial, sources) if sources.main.endswith(".c")
+               else build_command(find_nvcc(nvcc), arch, partial, sources))
+    log.info("building %s: %s", sources.library, " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise StartupError(f"{command[0]} failed ({done.returncode}):\n{done.stderr.strip()}")

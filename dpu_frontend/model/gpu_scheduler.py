@@ -4,7 +4,7 @@ The host-driven peer (``--scheduler host``, ``dpu_frontend.model.peer``) reads
 the request ring, schedules and launches every step from Python. Here the
 host loads the model, captures the step graphs (``graphs.StepGraphs``) and,
 per step graph, the sampler in four variants (``SamplerGraphs``), hands all
-of it to ``libdpuf_sched.so`` (``dpu_frontend/gpu/scheduler.cu``) and
+of it to ``libdpuf_sched.so`` (``dpu_frontend/model/device/scheduler.cu``) and
 launches its persistent scheduler once. From then on the GPU takes the
 requests from the ring, batches them (the same algorithm as
 ``model/scheduler.py``, in ``sched_core.h``), launches each step's graphs
@@ -32,14 +32,16 @@ import torch
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
-from dpu_frontend.gpu.runtime import (
-    SCHED_FLAGS,
-    SCHED_LIBRARY,
-    SCHED_SOURCES,
-    build,
-    default_build_dir,
+from dpu_frontend.gpu.runtime import build, default_build_dir
+from dpu_frontend.model.device import SCHEDULER
+from dpu_frontend.model.device.sched_core import (
+    ERRORS,
+    MAX_EOS,
+    VARIANTS,
+    ModelParams,
+    ModelStats,
+    SchedConfig,
 )
-from dpu_frontend.gpu.sched_core import ERRORS, MAX_EOS, VARIANTS, ModelParams, ModelStats, SchedConfig
 from dpu_frontend.model.graphs import StepGraph
 from dpu_frontend.model.kernels import ATTN_ROWS
 from dpu_frontend.model.metadata import SamplingRows
@@ -225,8 +227,8 @@ class GpuSchedulerKernel(PeerKernel):
             path = self.library_path
             if path is None:
                 major, minor = torch.cuda.get_device_capability(self.runner.device)
-                path = build(self.build_dir or default_build_dir(), arch=f"sm_{major}{minor}",
-                             sources=SCHED_SOURCES, library=SCHED_LIBRARY, flags=SCHED_FLAGS)
+                path = build(self.build_dir or default_build_dir(), SCHEDULER,
+                             arch=f"sm_{major}{minor}")
             self._lib = ModelLibrary(path)
         return self._lib
 

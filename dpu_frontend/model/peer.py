@@ -96,18 +96,13 @@ def records_factory(options: ModelPeerOptions, engine: ModelEngine) -> RecordsFa
     prebuilt, so that a missing toolkit fails before the ready line."""
     import torch
 
-    from dpu_frontend.gpu.runtime import (
-        RECORDS_LIBRARY,
-        RECORDS_SOURCES,
-        build,
-        default_build_dir,
-    )
+    from dpu_frontend.gpu.runtime import build, default_build_dir
+    from dpu_frontend.model.device import RECORDS
 
     device = options.runner.device
     major, minor = torch.cuda.get_device_capability(device)
-    library = options.records_library or build(
-        default_build_dir(), arch=f"sm_{major}{minor}", sources=RECORDS_SOURCES,
-        library=RECORDS_LIBRARY)
+    library = options.records_library or build(default_build_dir(), RECORDS,
+                                               arch=f"sm_{major}{minor}")
     slots = engine.runner.options.max_seqs
 
     def make(memory: AtomicMemory, layout: Layout) -> RingRecords:

@@ -1,7 +1,7 @@
 """The model's response records, written by the GPU at the end of each step.
 
 The engine's sampler leaves a step's tokens (and log probabilities) in GPU
-memory; the record writer (``dpu_frontend/gpu/record_writer.cu``), launched
+memory; the record writer (``dpu_frontend/model/device/record_writer.cu``), launched
 on the same stream right after it, judges each sequence's stop rules and
 publishes one response record per sequence into the ring region. The host
 schedules and tells the writer, with each launch, what changed since the

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpu_frontend.gpu.runtime import RECORDS_LIBRARY, RECORDS_SOURCES, build, default_build_dir
+from dpu_frontend.gpu.runtime import build, default_build_dir
+from dpu_frontend.model.device import RECORDS
 from dpu_frontend.model.publish import (
     CudaRecordBackend,
     HostRecordBackend,
@@ -33,8 +34,7 @@ _CONSUMED = DPU_CTRL_STRUCT.offset("resp_consumed")
 @pytest.fixture(scope="module")
 def library() -> Path:
     major, minor = torch.cuda.get_device_capability()
-    return build(default_build_dir(), arch=f"sm_{major}{minor}", sources=RECORDS_SOURCES,
-                 library=RECORDS_LIBRARY)
+    return build(default_build_dir(), RECORDS, arch=f"sm_{major}{minor}")
 
 
 class Twins:

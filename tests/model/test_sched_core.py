@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.gpu.sched_core import (
+from dpu_frontend.model.blocks import BlockPool
+from dpu_frontend.model.device.sched_core import (
     BAD_ENTRY,
     BAD_PROMPT,
     FULL,
@@ -30,7 +31,6 @@ from dpu_frontend.gpu.sched_core import (
     HostSchedCore,
     SchedConfig,
 )
-from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.metadata import graph_for, graph_shapes, step_inputs
 from dpu_frontend.model.scheduler import Scheduler, Sequence, Status
 from dpu_frontend.ring.records import SamplingParams

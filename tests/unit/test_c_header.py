@@ -12,17 +12,20 @@ therefore cannot drift apart without CI going red.
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import json
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from dpu_frontend.gpu import sched_core
-from dpu_frontend.gpu.runtime import DeviceInfo, PeerParams, source_dir
-from dpu_frontend.gpu.sched_core import ModelParams, ModelStats, SchedConfig, SeqState
+import dpu_frontend
+from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, DeviceInfo, PeerParams
 from dpu_frontend.model import publish as publish_mod
+from dpu_frontend.model.device import RECORDS, SCHED_HOST, SCHEDULER, sched_core
+from dpu_frontend.model.device.sched_core import ModelParams, ModelStats, SchedConfig, SeqState
 from dpu_frontend.model.publish import WriterChannel, WriterParams
 from dpu_frontend.ring import (
     CancelRecord,
@@ -80,7 +83,7 @@ CONSTANTS = {
     "DPUF_WRITER_MAX_EOS": publish_mod.MAX_EOS,
     **{f"DPUF_WRITER_{name}": code for code, name in (
         (1, "RING_FULL"), (2, "NO_LOGPROBS"), (3, "BAD_SLOT"))},
-    # the scheduler inside the GPU (scheduler.h, sched_core.h, dpu_frontend/gpu/sched_core.py)
+    # the scheduler inside the GPU (scheduler.h, sched_core.h, dpu_frontend/model/device/sched_core.py)
     **{f"DPUF_SAMPLER_{v.upper()}": i for i, v in enumerate(sched_core.VARIANTS)},
     "DPUF_MODEL_VARIANTS": len(sched_core.VARIANTS), "DPUF_MODEL_MAX_EOS": sched_core.MAX_EOS,
     **{f"DPUF_MODEL_ERR_{name}": code for code, name in (
@@ -171,7 +174,7 @@ def c_side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     source, binary = work / "check.c", work / "check"
     source.write_text(_program())
     subprocess.run([_compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic",
-                    f"-I{source_dir()}", str(source), "-o", str(binary)], check=True)
+                    *(f"-I{d}" for d in SCHEDULER.dirs), str(source), "-o", str(binary)], check=True)
     out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
     result: dict[str, object] = json.loads(out)
     return result
@@ -239,7 +242,13 @@ def test_the_layout_record_matches_the_c_structs() -> None:
             n: getattr(ch, n) for n, _ in CHANNEL_STRUCT.fields}
 
 
-def test_the_headers_are_package_data() -> None:
-    for name in ("ring_protocol.h", "peer_kernel.h", "peer_kernel.cu", "record_writer.h",
-                 "record_writer.cu"):
-        assert (Path(source_dir()) / name).is_file()
+@pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, SCHED_HOST],
+                         ids=lambda s: s.library)
+def test_the_sources_are_package_data(sources: CudaSources) -> None:
+    """Every file a library is built from is where it says, and a wheel ships it."""
+    root = Path(dpu_frontend.__file__).parent
+    package_data = tomllib.loads((root.parent / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-data"]["dpu_frontend"]
+    for path in sources.files():
+        relative = path.relative_to(root).as_posix()
+        assert any(fnmatch.fnmatch(relative, glob) for glob in package_data), relative

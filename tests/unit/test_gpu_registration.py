@@ -10,7 +10,7 @@ import pytest
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
 from dpu_frontend.gpu.launcher import GpuPeerConfig
-from dpu_frontend.gpu.runtime import DeviceInfo, Library, build_command, find_nvcc
+from dpu_frontend.gpu.runtime import PEER_SOURCES, DeviceInfo, Library, build_command, find_nvcc
 from dpu_frontend.transport.verbs.resources import RdmaResources
 
 
@@ -60,7 +60,7 @@ def test_without_dma_buf_or_peermem_registration_is_refused(
 
 
 def test_the_build_is_nvcc_for_the_configured_arch(tmp_path: Path) -> None:
-    command = build_command("/opt/cuda/bin/nvcc", "sm_90", tmp_path / "lib.so")
+    command = build_command("/opt/cuda/bin/nvcc", "sm_90", tmp_path / "lib.so", PEER_SOURCES)
     assert command[:4] == ["/opt/cuda/bin/nvcc", "-O3", "-std=c++17", "-arch=sm_90"]
     assert command[-1] == str(tmp_path / "lib.so")
     with pytest.raises(StartupError, match="nvcc not found"):

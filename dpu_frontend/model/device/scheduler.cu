@@ -30,7 +30,7 @@
  *
  * Build (device graph launch needs the device runtime):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -rdc=true -Xcompiler -fPIC -shared \
- *        dpu_frontend/gpu/scheduler.cu -o libdpuf_sched.so -lcudadevrt
+ *        -Idpu_frontend/gpu dpu_frontend/model/device/scheduler.cu -o libdpuf_sched.so -lcudadevrt
  */
 #include "scheduler.h"
 

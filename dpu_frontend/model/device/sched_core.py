@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from dpu_frontend.errors import StartupError
-from dpu_frontend.gpu.runtime import SCHED_HOST_LIBRARY, SCHED_HOST_SOURCES, build
+from dpu_frontend.gpu.runtime import build
+from dpu_frontend.model.device import SCHED_HOST
 
 #: Return codes of sched_core.h.
 OK, FULL, BAD_PROMPT, BAD_ENTRY, NO_GRAPH = 0, -1, -2, -3, -4
@@ -175,8 +176,7 @@ class HostSchedCore:
     @classmethod
     def build(cls, build_dir: Path, config: SchedConfig) -> HostSchedCore:
         try:
-            library = build(build_dir, arch="host", sources=SCHED_HOST_SOURCES,
-                            library=SCHED_HOST_LIBRARY)
+            library = build(build_dir, SCHED_HOST, arch="host")
         except StartupError as exc:
             raise RuntimeError(str(exc)) from exc
         return cls(library, config)

@@ -1,6 +1,6 @@
 /*
  * sched_host.c: sched_core.h built for the host, for the tests that hold it
- * to the Python scheduler (dpu_frontend/gpu/sched_core.py loads it). The GPU
+ * to the Python scheduler (dpu_frontend/model/device/sched_core.py loads it). The GPU
  * runs the same functions inside its scheduler kernel (scheduler.cu).
  */
 #include <stdlib.h>

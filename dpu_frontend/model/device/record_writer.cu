@@ -28,7 +28,7 @@
  * not written and the channel's error says so (the host fails the peer).
  *
  * Build: nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC -shared
- *        dpu_frontend/gpu/record_writer.cu -o libdpuf_records.so
+ *        -Idpu_frontend/gpu dpu_frontend/model/device/record_writer.cu -o libdpuf_records.so
  */
 #include "record_writer.cuh"
 
