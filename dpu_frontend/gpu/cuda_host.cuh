@@ -1,7 +1,8 @@
 /*
  * cuda_host.cuh: the host-side error handling the CUDA libraries share
- * (peer_kernel.cu, record_writer.cu, scheduler.cu). Each library is its own
- * translation unit and keeps its own last error; define DPUF_SOURCE (the
+ * (peer_kernel.cu, record_writer.cu, scheduler.cu), and the stop-and-wait of
+ * the persistent kernels (peer_kernel.cu, scheduler.cu). Each library is its
+ * own translation unit and keeps its own last error; define DPUF_SOURCE (the
  * file's name, for the messages) before including.
  */
 #ifndef DPUF_CUDA_HOST_CUH
@@ -57,6 +58,15 @@ static inline int stream_state(cudaStream_t s) {
     return -1;
 }
 
+/* 1: either stream still has work, 0: both done, -1: an error (recorded). */
+static inline int streams_state(cudaStream_t a, cudaStream_t b) {
+    const int sa = stream_state(a);
+    if (sa < 0) return -1;
+    const int sb = stream_state(b);
+    if (sb < 0) return -1;
+    return (sa || sb) ? 1 : 0;
+}
+
 static inline void sleep_us(long us) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
     nanosleep(&ts, NULL);
@@ -66,6 +76,34 @@ static inline uint64_t monotonic_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Ask the persistent kernels on streams a and b to return (`stop`, the
+ * kernel block's stop word: a plain host store with release semantics, which
+ * the kernels read with an acquire) and wait for both at most timeout_ms:
+ * 0 once both returned, -1 on an error or the timeout (recorded). */
+static inline int stop_streams(uint64_t *stop, cudaStream_t a, cudaStream_t b, uint32_t timeout_ms) {
+    __atomic_store_n(stop, (uint64_t)1, __ATOMIC_RELEASE);
+    const uint64_t deadline = monotonic_ms() + timeout_ms;
+    for (;;) {
+        const int s = streams_state(a, b);
+        if (s <= 0) return s;
+        if (monotonic_ms() >= deadline)
+            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
+        sleep_us(200);
+    }
+}
+
+/* How long a library's destroy waits for kernels still running. */
+#define DPUF_DESTROY_STOP_MS 2000u
+
+/* Before a destroy frees a launched library's memory: false while its
+ * kernels still run after a stop request of DPUF_DESTROY_STOP_MS. Freeing
+ * their memory then would block on them (cudaFree synchronizes) or pull it
+ * from under them: the caller leaks it instead. */
+static inline bool kernels_stopped(uint64_t *stop, cudaStream_t a, cudaStream_t b) {
+    return streams_state(a, b) != 1 || stop_streams(stop, a, b, DPUF_DESTROY_STOP_MS) == 0 ||
+           streams_state(a, b) != 1;
 }
 
 #endif /* DPUF_CUDA_HOST_CUH */

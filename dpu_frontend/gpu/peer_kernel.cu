@@ -16,15 +16,18 @@
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC,-Wall -shared \
  *        dpu_frontend/gpu/peer_kernel.cu -o libdpuf_peer.so
  * The driver API is reached through cudaGetDriverEntryPointByVersion, so the
- * library needs no libcuda at link time (-lcuda is accepted, not required).
+ * library needs no libcuda at link time (-lcuda is accepted, not required);
+ * that, the device query and the ring region (host memory mapped into the GPU,
+ * or GPU memory for a NIC) are cuda_driver.cuh's, shared with scheduler.cu.
  *
- * Sections: host error handling, device helpers, token source, intake,
- * publish, engine kernel, heartbeat kernel, host API.
+ * Sections: device helpers, token source, intake, publish, engine kernel,
+ * heartbeat kernel, host API.
  */
 #include "peer_kernel.h"
 
 #define DPUF_SOURCE "peer_kernel.cu"
 #include "cuda_host.cuh"
+#include "cuda_driver.cuh"
 #include "ring_device.cuh"
 
 #include <cooperative_groups.h>
@@ -44,73 +47,6 @@ namespace cg = cooperative_groups;
 #define ENGINE_THREADS 128u             /* threads per engine block: 4 warps */
 #define ENGINE_WARPS (ENGINE_THREADS / 32u)
 #define MAX_ENGINE_BLOCKS_DEFAULT 132u  /* engine_blocks == 0: one per SM, at most this */
-#define GPU_REGION_GRANULE (2ull << 20) /* a GPU region is allocated in 2 MiB pages (dma-buf export) */
-#define DESTROY_STOP_TIMEOUT_MS 2000u
-
-/* ======================================================================== */
-/* Host error handling                                                      */
-/* ======================================================================== */
-
-/* Driver API entry points, resolved through the runtime: the library then
- * loads on any machine with the CUDA driver, without a libcuda stub to link. */
-typedef CUresult (*pfn_cuInit)(unsigned int);
-typedef CUresult (*pfn_cuDeviceGet)(CUdevice *, int);
-typedef CUresult (*pfn_cuDeviceGetAttribute)(int *, CUdevice_attribute, CUdevice);
-typedef CUresult (*pfn_cuPointerSetAttribute)(const void *, CUpointer_attribute, CUdeviceptr);
-typedef CUresult (*pfn_cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t, CUmemRangeHandleType,
-                                                      unsigned long long);
-typedef CUresult (*pfn_cuGetErrorName)(CUresult, const char **);
-
-struct driver_api {
-    bool ok;
-    char error[256];
-    pfn_cuInit cuInit;
-    pfn_cuDeviceGet cuDeviceGet;
-    pfn_cuDeviceGetAttribute cuDeviceGetAttribute;
-    pfn_cuPointerSetAttribute cuPointerSetAttribute;
-    pfn_cuMemGetHandleForAddressRange cuMemGetHandleForAddressRange;
-    pfn_cuGetErrorName cuGetErrorName;
-};
-
-static bool resolve(driver_api *d, const char *symbol, void **fn, unsigned int version) {
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, fn, version, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == NULL) {
-        snprintf(d->error, sizeof d->error, "driver entry point %s not found: %s (query result %d)", symbol,
-                 cudaGetErrorString(e), (int)q);
-        return false;
-    }
-    return true;
-}
-
-static driver_api load_driver_api(void) {
-    driver_api d;
-    memset(&d, 0, sizeof d);
-    d.ok = resolve(&d, "cuInit", (void **)&d.cuInit, 12000) &&
-           resolve(&d, "cuDeviceGet", (void **)&d.cuDeviceGet, 12000) &&
-           resolve(&d, "cuDeviceGetAttribute", (void **)&d.cuDeviceGetAttribute, 12000) &&
-           resolve(&d, "cuPointerSetAttribute", (void **)&d.cuPointerSetAttribute, 12000) &&
-           resolve(&d, "cuMemGetHandleForAddressRange", (void **)&d.cuMemGetHandleForAddressRange, 12000) &&
-           resolve(&d, "cuGetErrorName", (void **)&d.cuGetErrorName, 12000);
-    return d;
-}
-
-/* The table, resolved once (C++ guarantees a thread-safe static init). */
-static const driver_api *driver(void) {
-    static const driver_api api = load_driver_api();
-    if (!api.ok) set_error("%s", api.error);
-    return api.ok ? &api : NULL;
-}
-
-static bool cuda_ok(CUresult r, const char *call, int line) {
-    if (r == CUDA_SUCCESS) return true;
-    const char *name = NULL;
-    const driver_api *d = driver();
-    if (d == NULL || d->cuGetErrorName(r, &name) != CUDA_SUCCESS) name = NULL;
-    set_error("%s failed (%s:%d): %s (CUresult %d)", call, DPUF_SOURCE, line, name ? name : "unknown error", (int)r);
-    return false;
-}
-
 
 /* ======================================================================== */
 /* Device helpers and GPU-local state                                       */
@@ -714,12 +650,7 @@ struct dpuf_peer {
     chan_state *h_state;         /* host copy of the per-channel state (for freeing) */
     engine_args eargs;
     heartbeat_args hargs;
-    uint64_t region_size;
-    bool region_is_host;
-    bool region_registered;
-    void *region_host;           /* host mapping (host region) */
-    uint8_t *region_dev;         /* device address of the region */
-    size_t region_alloc;         /* bytes allocated (GPU region) */
+    dpuf_region region;          /* the shm mapping, or GPU memory (cuda_driver.cuh) */
     dpuf_channel_desc *d_channels;
     uint32_t *d_corpus;
     uint32_t *d_doc_starts;
@@ -732,8 +663,6 @@ struct dpuf_peer {
     uint32_t engine_blocks;
     bool launched;
 };
-
-static bool range_inside(uint64_t off, uint64_t len, uint64_t size) { return off <= size && len <= size - off; }
 
 static bool validate_params(const dpuf_peer_params *p) {
     if (p == NULL) return set_error("params is NULL"), false;
@@ -818,8 +747,7 @@ static void peer_release(dpuf_peer *peer) {
     if (peer->d_corpus) DPUF_NOTE(cudaFree(peer->d_corpus));
     if (peer->d_doc_starts) DPUF_NOTE(cudaFree(peer->d_doc_starts));
     if (peer->mbx_host) DPUF_NOTE(cudaFreeHost(peer->mbx_host));
-    if (peer->region_registered) DPUF_NOTE(cudaHostUnregister(peer->region_host));
-    if (!peer->region_is_host && peer->region_dev) DPUF_NOTE(cudaFree(peer->region_dev));
+    region_release(&peer->region);
     free(peer->h_state);
     free(peer);
 }
@@ -846,7 +774,6 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     const uint32_t nch = p->channel_count;
     peer->device = p->device;
     peer->channel_count = nch;
-    peer->region_size = p->region_size;
     DPUF_CHECK(cudaSetDevice(p->device));
     if (crc32_table_init() != 0) return -1;
     int coop = 0, sms = 0;
@@ -858,28 +785,7 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     if (!peer->h_state) return set_error("out of host memory"), -1;
 
     /* The region. */
-    if (p->region_host != NULL) {
-        int can_map = 0;
-        DPUF_CHECK(cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, p->device));
-        if (!can_map) return set_error("device %d cannot map host memory", p->device), -1;
-        peer->region_is_host = true;
-        peer->region_host = p->region_host;
-        DPUF_CHECK(cudaHostRegister(p->region_host, p->region_size,
-                                    cudaHostRegisterMapped | cudaHostRegisterPortable));
-        peer->region_registered = true;
-        DPUF_CHECK(cudaHostGetDevicePointer((void **)&peer->region_dev, p->region_host, 0));
-    } else {
-        const driver_api *drv = driver();
-        if (!drv) return -1;
-        /* Whole 2 MiB pages: a dma-buf export covers whole pages. */
-        peer->region_alloc = (p->region_size + GPU_REGION_GRANULE - 1) / GPU_REGION_GRANULE * GPU_REGION_GRANULE;
-        if (device_alloc(&peer->region_dev, peer->region_alloc) != 0) return -1;
-        /* Synchronous memory operations on it (the write_region copies)
-         * complete before they return, whatever the NIC or kernel do. */
-        const unsigned int one = 1;
-        DPUF_CHECK(drv->cuPointerSetAttribute(&one, CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
-                                              (CUdeviceptr)peer->region_dev));
-    }
+    if (region_open(&peer->region, p->device, p->region_host, p->region_size) != 0) return -1;
 
     /* Channels, token source. */
     DPUF_CHECK(cudaMalloc((void **)&peer->d_channels, nch * sizeof(dpuf_channel_desc)));
@@ -929,7 +835,7 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     /* Kernel arguments. */
     dpuf_kernel_block *kb_dev = (dpuf_kernel_block *)peer->mbx_dev;
     engine_args *ea = &peer->eargs;
-    ea->region = peer->region_dev;
+    ea->region = peer->region.dev;
     ea->channels = peer->d_channels;
     ea->state = peer->d_state;
     ea->kblock = kb_dev;
@@ -946,7 +852,7 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     ea->eos_count = p->eos_count;
     ea->step_ns = p->step_ns;
     ea->prefill_ns_per_token = p->prefill_ns_per_token;
-    peer->hargs.region = peer->region_dev;
+    peer->hargs.region = peer->region.dev;
     peer->hargs.channels = peer->d_channels;
     peer->hargs.channel_count = nch;
     peer->hargs.kblock = kb_dev;
@@ -956,46 +862,16 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     return 0;
 }
 
-/* 1: running, 0: returned, -1: an error (recorded). */
 /* 1: both kernels running or one still returning, 0: both returned, -1: error. */
-static int kernels_state(dpuf_peer *peer) {
-    const int hb = stream_state(peer->hb_stream);
-    if (hb < 0) return -1;
-    const int en = stream_state(peer->engine_stream);
-    if (en < 0) return -1;
-    return (hb || en) ? 1 : 0;
-}
+static int kernels_state(dpuf_peer *peer) { return streams_state(peer->hb_stream, peer->engine_stream); }
+
+static uint64_t *stop_word(dpuf_peer *peer) { return &((dpuf_kernel_block *)peer->mbx_host)->stop; }
 
 extern "C" {
 
 const char *dpuf_last_error(void) { return g_last_error; }
 
-int dpuf_device_info_get(int32_t device, dpuf_device_info *out) {
-    if (out == NULL) return set_error("out is NULL"), -1;
-    memset(out, 0, sizeof *out);
-    const driver_api *drv = driver();
-    if (!drv) return -1;
-    DPUF_CHECK(drv->cuInit(0));
-    CUdevice dev;
-    DPUF_CHECK(drv->cuDeviceGet(&dev, device));
-    cudaDeviceProp prop;
-    DPUF_CHECK(cudaGetDeviceProperties(&prop, device));
-    const size_t len = strnlen(prop.name, sizeof out->name - 1); /* truncated to fit, NUL-terminated */
-    memcpy(out->name, prop.name, len);
-    out->sm_count = prop.multiProcessorCount;
-    out->major = prop.major;
-    out->minor = prop.minor;
-    int v = 0;
-    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev));
-    out->gdr_writes_ordering = v;
-    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, dev));
-    out->gdr_supported = v;
-    DPUF_CHECK(drv->cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev));
-    out->dmabuf_supported = v;
-    DPUF_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrCanMapHostMemory, device));
-    out->can_map_host = v;
-    return 0;
-}
+int dpuf_device_info_get(int32_t device, dpuf_device_info *out) { return device_info_get(device, out); }
 
 dpuf_peer *dpuf_peer_create(const dpuf_peer_params *params) {
     if (!validate_params(params)) return NULL;
@@ -1013,24 +889,13 @@ dpuf_peer *dpuf_peer_create(const dpuf_peer_params *params) {
 
 int dpuf_peer_write_region(dpuf_peer *peer, uint64_t offset, const void *data, uint64_t n) {
     if (peer == NULL || (data == NULL && n != 0)) return set_error("peer or data is NULL"), -1;
-    if (!range_inside(offset, n, peer->region_size))
-        return set_error("write [%llu, +%llu) lies outside the region (%llu bytes)", (unsigned long long)offset,
-                         (unsigned long long)n, (unsigned long long)peer->region_size), -1;
-    if (n == 0) return 0;
-    if (peer->region_is_host) {
-        memcpy((uint8_t *)peer->region_host + offset, data, n);
-        return 0;
-    }
     DPUF_CHECK(cudaSetDevice(peer->device));
-    /* Legacy default stream: it does not wait for the non-blocking streams
-     * of the persistent kernels. */
-    DPUF_CHECK(cudaMemcpy(peer->region_dev + offset, data, n, cudaMemcpyHostToDevice));
-    return 0;
+    return region_write(&peer->region, offset, data, n);
 }
 
 uint64_t dpuf_peer_region_device_ptr(dpuf_peer *peer) {
     if (peer == NULL) return set_error("peer is NULL"), 0;
-    return (uint64_t)(uintptr_t)peer->region_dev;
+    return (uint64_t)(uintptr_t)peer->region.dev;
 }
 
 void *dpuf_peer_mailbox(dpuf_peer *peer) {
@@ -1040,16 +905,8 @@ void *dpuf_peer_mailbox(dpuf_peer *peer) {
 
 int dpuf_peer_dmabuf_fd(dpuf_peer *peer, int32_t *fd, uint64_t *offset) {
     if (peer == NULL || fd == NULL || offset == NULL) return set_error("peer, fd or offset is NULL"), -1;
-    if (peer->region_is_host) return set_error("the region is host memory"), -1;
-    const driver_api *drv = driver();
-    if (!drv) return -1;
     DPUF_CHECK(cudaSetDevice(peer->device));
-    int handle = -1;
-    DPUF_CHECK(drv->cuMemGetHandleForAddressRange(&handle, (CUdeviceptr)peer->region_dev, peer->region_alloc,
-                                                  CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0));
-    *fd = handle;
-    *offset = 0;
-    return 0;
+    return region_dmabuf_fd(&peer->region, fd, offset);
 }
 
 int dpuf_peer_launch(dpuf_peer *peer) {
@@ -1099,25 +956,13 @@ int dpuf_peer_stop(dpuf_peer *peer, uint32_t timeout_ms) {
     if (peer == NULL) return set_error("peer is NULL"), -1;
     if (!peer->launched) return 0;
     DPUF_CHECK(cudaSetDevice(peer->device));
-    /* Release: a plain host store the kernels read with an acquire. */
-    __atomic_store_n(&((dpuf_kernel_block *)peer->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
-    const uint64_t deadline = monotonic_ms() + timeout_ms;
-    for (;;) {
-        const int s = kernels_state(peer);
-        if (s <= 0) return s;
-        if (monotonic_ms() >= deadline)
-            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
-        sleep_us(200);
-    }
+    return stop_streams(stop_word(peer), peer->hb_stream, peer->engine_stream, timeout_ms);
 }
 
 void dpuf_peer_destroy(dpuf_peer *peer) {
     if (peer == NULL) return;
     DPUF_NOTE(cudaSetDevice(peer->device));
-    if (peer->launched && kernels_state(peer) == 1 && dpuf_peer_stop(peer, DESTROY_STOP_TIMEOUT_MS) != 0 &&
-        kernels_state(peer) == 1) {
-        /* Still running: freeing its memory would block on it (cudaFree
-         * synchronizes) or pull memory from under it. Leak it instead. */
+    if (peer->launched && !kernels_stopped(stop_word(peer), peer->hb_stream, peer->engine_stream)) {
         set_error("dpuf_peer_destroy: the kernels did not stop; their memory is left allocated");
         free(peer->h_state);
         free(peer);

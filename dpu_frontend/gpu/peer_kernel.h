@@ -15,6 +15,7 @@
 #ifndef DPUF_PEER_KERNEL_H
 #define DPUF_PEER_KERNEL_H
 
+#include "device_info.h"
 #include "ring_protocol.h"
 
 #ifdef __cplusplus
@@ -52,22 +53,10 @@ typedef struct dpuf_peer_params {
     uint32_t reserved;             /* 132 zero */
 } dpuf_peer_params;
 
-/* What dpuf_device_info_get reports. */
-typedef struct dpuf_device_info {
-    char name[96];                 /*   0 */
-    int32_t sm_count;              /*  96 */
-    int32_t major;                 /* 100 compute capability */
-    int32_t minor;                 /* 104 */
-    int32_t gdr_writes_ordering;   /* 108 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING */
-    int32_t gdr_supported;         /* 112 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED */
-    int32_t dmabuf_supported;      /* 116 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED */
-    int32_t can_map_host;          /* 120 cudaDevAttrCanMapHostMemory */
-    int32_t reserved;              /* 124 */
-} dpuf_device_info;
-
 typedef struct dpuf_peer dpuf_peer;
 
 const char *dpuf_last_error(void);
+/* The device as GPUDirect RDMA sees it (device_info.h), before any allocation. */
 int dpuf_device_info_get(int32_t device, dpuf_device_info *out);
 dpuf_peer *dpuf_peer_create(const dpuf_peer_params *params);
 /* Copy bytes into the region (host memcpy, or cudaMemcpy for a GPU region). */

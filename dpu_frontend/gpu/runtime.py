@@ -57,7 +57,8 @@ def source_dir() -> Path:
 
 #: The CUDA peer (``launcher.py``).
 PEER_SOURCES = CudaSources("libdpuf_peer", "peer_kernel.cu",
-                           ("peer_kernel.h", "ring_device.cuh", "cuda_host.cuh", "ring_protocol.h"),
+                           ("peer_kernel.h", "device_info.h", "ring_device.cuh", "cuda_host.cuh",
+                            "cuda_driver.cuh", "ring_protocol.h"),
                            (source_dir(),))
 
 

@@ -36,6 +36,7 @@
 
 #define DPUF_SOURCE "scheduler.cu"
 #include "cuda_host.cuh"
+#include "cuda_driver.cuh"
 #include "record_writer.cuh"
 #include "ring_device.cuh"
 
@@ -671,7 +672,7 @@ struct dpuf_model {
     int device;
     sched_args args; /* host copy, pushed to d_args at launch */
     sched_args *d_args;
-    void *region_host;
+    dpuf_region region; /* the shm mapping (cuda_driver.cuh) */
     uint32_t channel_count;
     dpuf_sched_config config;
     void *mbx_host; /* kernel block + mailboxes, pinned and mapped */
@@ -703,7 +704,7 @@ static void model_release(dpuf_model *m) {
     if (m->wmirror_host) DPUF_NOTE(cudaFreeHost(m->wmirror_host));
     if (m->stream) DPUF_NOTE(cudaStreamDestroy(m->stream));
     if (m->hb_stream) DPUF_NOTE(cudaStreamDestroy(m->hb_stream));
-    if (m->region_host) DPUF_NOTE(cudaHostUnregister(m->region_host));
+    region_release(&m->region);
     free(m);
 }
 
@@ -740,12 +741,10 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
     DPUF_CHECK(cudaSetDevice(p->device));
     DPUF_CHECK(cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking));
     DPUF_CHECK(cudaStreamCreateWithFlags(&m->hb_stream, cudaStreamNonBlocking));
-    DPUF_CHECK(cudaHostRegister(p->region_host, p->region_size, cudaHostRegisterMapped | cudaHostRegisterPortable));
-    m->region_host = p->region_host;
+    if (region_open(&m->region, p->device, p->region_host, p->region_size) != 0) return -1;
     sched_args *a = &m->args;
     void *dev = NULL;
-    DPUF_CHECK(cudaHostGetDevicePointer(&dev, p->region_host, 0));
-    a->region = (uint8_t *)dev;
+    a->region = m->region.dev;
     const dpuf_sched_config *c = &p->sched;
     const uint32_t n = p->channel_count;
     dpuf_channel_desc *channels = NULL;
@@ -871,8 +870,8 @@ int dpuf_model_add_graph(dpuf_model *m, int32_t tokens, int32_t seqs, int32_t ti
 }
 
 int dpuf_model_write_region(dpuf_model *m, uint64_t offset, const void *data, uint64_t n) {
-    memcpy((uint8_t *)m->region_host + offset, data, n);
-    return 0;
+    if (m == NULL || (data == NULL && n != 0)) return set_error("model or data is NULL"), -1;
+    return region_write(&m->region, offset, data, n);
 }
 
 void *dpuf_model_mailbox(dpuf_model *m) { return m->mbx_host; }
@@ -901,13 +900,9 @@ int dpuf_model_launch(dpuf_model *m) {
     return 0;
 }
 
-static int kernels_state(dpuf_model *m) {
-    const int hb = stream_state(m->hb_stream);
-    if (hb < 0) return -1;
-    const int sc = stream_state(m->stream);
-    if (sc < 0) return -1;
-    return (hb || sc) ? 1 : 0;
-}
+static int kernels_state(dpuf_model *m) { return streams_state(m->hb_stream, m->stream); }
+
+static uint64_t *stop_word(dpuf_model *m) { return &((dpuf_kernel_block *)m->mbx_host)->stop; }
 
 int dpuf_model_poll(dpuf_model *m) {
     if (!m->launched) return set_error("the scheduler was not launched"), -1;
@@ -923,23 +918,13 @@ int dpuf_model_poll(dpuf_model *m) {
 int dpuf_model_stop(dpuf_model *m, uint32_t timeout_ms) {
     if (!m->launched) return 0;
     DPUF_CHECK(cudaSetDevice(m->device));
-    /* Release: a plain host store the kernels read with an acquire. */
-    __atomic_store_n(&((dpuf_kernel_block *)m->mbx_host)->stop, (uint64_t)1, __ATOMIC_RELEASE);
-    const uint64_t deadline = monotonic_ms() + timeout_ms;
-    for (;;) {
-        const int s = kernels_state(m);
-        if (s <= 0) return s;
-        if (monotonic_ms() >= deadline)
-            return set_error("the kernels did not return within %u ms of the stop request", timeout_ms), -1;
-        sleep_us(200);
-    }
+    return stop_streams(stop_word(m), m->hb_stream, m->stream, timeout_ms);
 }
 
 void dpuf_model_destroy(dpuf_model *m) {
     if (m == NULL) return;
     DPUF_NOTE(cudaSetDevice(m->device));
-    if (m->launched && kernels_state(m) == 1 && dpuf_model_stop(m, 2000) != 0 && kernels_state(m) == 1) {
-        /* Still running: freeing its memory would pull it from under it. */
+    if (m->launched && !kernels_stopped(stop_word(m), m->hb_stream, m->stream)) {
         set_error("dpuf_model_destroy: the kernels did not stop; their memory is left allocated");
         free(m);
         return;
