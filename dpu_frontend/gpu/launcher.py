@@ -17,33 +17,26 @@ host CPU never touches a token. Where the region lives:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
-from dpu_frontend.gpu import registration
+from dpu_frontend.gpu.persistent import PersistentKernel
 from dpu_frontend.gpu.runtime import (
     MODE_ECHO,
     MODE_REPLAY,
-    Library,
+    PeerLibrary,
     PeerParams,
     build,
     default_build_dir,
 )
 from dpu_frontend.peer.generator import corpus_tokens
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.peer.server import PeerServer, TokenSource, serve_peer
 from dpu_frontend.ring import Geometry, Layout
 from dpu_frontend.ring.layout import CHANNEL_SIZE, HEADER_SIZE
-from dpu_frontend.ring.mailbox import KERNEL_BLOCK, KernelState, mailbox_area_size
-from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.transport.shm import map_file
-from dpu_frontend.transport.verbs.resources import RdmaResources
 
 log = logging.getLogger("dpu_frontend.gpu")
 
@@ -107,66 +100,26 @@ def gpu_peer_config(args: argparse.Namespace, peer: PeerConfig) -> GpuPeerConfig
     return GpuPeerConfig(peer=peer, **own)
 
 
-class CudaKernel(PeerKernel):
-    """The persistent kernel of ``peer_kernel.cu`` behind the ``PeerKernel`` interface."""
+class CudaKernel(PersistentKernel[PeerLibrary]):
+    """The persistent kernel of ``peer_kernel.cu``: the ring served from a token corpus."""
+
+    what = "the persistent kernel"
 
     def __init__(self, config: GpuPeerConfig, corpus: list[list[int]],
                  eos_token_ids: tuple[int, ...]) -> None:
+        super().__init__(config.peer, config.device)
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
-        self._lib: Library | None = None
-        self._peer: int | None = None
-        self._map: Any = None
-        self._mailbox: AtomicMemory | None = None
-        self._mailbox_buffer: Any = None
-        self._keep: list[Any] = []  # ctypes arrays the library reads during create
-        self._channels = 0
-        self._failure: str | None = None
 
-    def _library(self) -> Library:
-        if self._lib is None:
-            cfg = self.config
-            path = cfg.library or build(cfg.build_dir, arch=cfg.cuda_arch, nvcc=cfg.nvcc)
-            self._lib = Library(path)
-        return self._lib
+    def _load_library(self) -> PeerLibrary:
+        cfg = self.config
+        path = cfg.library or build(cfg.build_dir, arch=cfg.cuda_arch, nvcc=cfg.nvcc)
+        return PeerLibrary.load(path)
 
-    def open(self, layout: Layout) -> RegionAddress:
+    def _params(self, layout: Layout, region_host: int | None) -> PeerParams:
         cfg, peer_cfg = self.config, self.config.peer
-        lib = self._library()
-        info = lib.device_info(cfg.device)
-        log.info("GPU %d: %s, %d SMs, sm_%d%d, GPUDirect RDMA writes ordering %d",
-                 cfg.device, info.name.decode(), info.sm_count, info.major, info.minor,
-                 info.gdr_writes_ordering)
-        region_host = None
-        if peer_cfg.transport == "shm":
-            self._map = map_file(str(peer_cfg.shm_path), layout.region_size, create=True)
-            anchor = ctypes.c_char.from_buffer(self._map)
-            self._keep.append(anchor)
-            region_host = ctypes.addressof(anchor)
-        else:
-            registration.check_device(info)  # refuse before allocating anything
         tokens, starts = corpus_tokens(self._corpus, self._eos)
-        params = self._params(layout, region_host, tokens, starts)
-        handle = lib.lib.dpuf_peer_create(ctypes.byref(params))
-        if not handle:
-            raise StartupError(f"cannot create the CUDA peer: {lib.error()}")
-        self._peer = handle
-        header = layout.encode()
-        lib.check(lib.lib.dpuf_peer_write_region(handle, 0, header, len(header)),
-                  "writing the layout record")
-        self._channels = len(layout.channels)
-        size = mailbox_area_size(self._channels)
-        pointer = lib.lib.dpuf_peer_mailbox(handle)
-        self._mailbox_buffer = (ctypes.c_char * size).from_address(pointer)
-        self._mailbox = AtomicMemory(self._mailbox_buffer)
-        if peer_cfg.transport == "shm":
-            return RegionAddress(path=str(peer_cfg.shm_path))
-        return RegionAddress()
-
-    def _params(self, layout: Layout, region_host: int | None, tokens: list[int],
-                starts: list[int]) -> PeerParams:
-        cfg, peer_cfg = self.config, self.config.peer
         header = layout.encode()
         descs = ctypes.create_string_buffer(header[HEADER_SIZE:],
                                             CHANNEL_SIZE * len(layout.channels))
@@ -189,67 +142,6 @@ class CudaKernel(PeerKernel):
             prefill_ns_per_token=int(cfg.prefill_us_per_token * 1000),
             heartbeat_ns=int(cfg.heartbeat_us * 1000), device=cfg.device, reserved=0,
         )
-
-    def register(self, resources: RdmaResources, region: RegionAddress,
-                 size: int) -> tuple[Any, int]:
-        lib, handle = self._library(), self._handle()
-        return registration.register_gpu_region(lib, handle, resources, size)
-
-    @property
-    def mailbox(self) -> AtomicMemory:
-        if self._mailbox is None:
-            raise RuntimeError("kernel not opened")
-        return self._mailbox
-
-    def _handle(self) -> int:
-        if self._peer is None:
-            raise RuntimeError("kernel not opened")
-        return self._peer
-
-    async def start(self) -> None:
-        lib, handle = self._library(), self._handle()
-        lib.check(lib.lib.dpuf_peer_launch(handle), "launching the persistent kernel")
-        for _ in range(10_000):  # the kernel says RUNNING once its blocks are resident
-            state = self.mailbox.load_acquire(KERNEL_BLOCK.offset("state"))
-            if state == KernelState.RUNNING:
-                return
-            if self.failure() is not None:
-                break
-            await asyncio.sleep(0.001)
-        raise StartupError(f"the persistent kernel did not start: {self.failure() or 'timeout'}")
-
-    def failure(self) -> str | None:
-        if self._failure is None and self._peer is not None and self._lib is not None:
-            rc = self._lib.lib.dpuf_peer_poll(self._peer)
-            if rc == 0:
-                self._failure = "the persistent kernel returned"
-            elif rc < 0:
-                self._failure = f"the persistent kernel failed: {self._lib.error()}"
-        return self._failure
-
-    def channel_stats(self, channel: int) -> dict[str, Any]:
-        block = self.mailbox
-        return {"kernel_steps": block.load_acquire(KERNEL_BLOCK.offset("steps")),
-                "kernel_heartbeats": block.load_acquire(KERNEL_BLOCK.offset("heartbeats"))}
-
-    async def close(self) -> None:
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        """Stop the kernel, free GPU and pinned memory, remove the shm file."""
-        if self._peer is not None and self._lib is not None:
-            if self._lib.lib.dpuf_peer_stop(self._peer, 5000) != 0:
-                log.error("the persistent kernel did not stop: %s", self._lib.error())
-            if self._mailbox is not None:
-                self._mailbox.release()  # the pinned area goes with the peer
-            self._mailbox = self._mailbox_buffer = None
-            self._lib.lib.dpuf_peer_destroy(self._peer)
-            self._peer = None
-        self._keep.clear()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-            Path(self.config.peer.shm_path).unlink(missing_ok=True)
 
 
 async def run_gpu_peer(config: GpuPeerConfig) -> int:

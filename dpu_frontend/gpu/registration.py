@@ -22,13 +22,12 @@ ordering (``resources._access``), and the region has ``SYNC_MEMOPS`` set
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 from typing import Any
 
 from dpu_frontend.errors import StartupError
-from dpu_frontend.gpu.runtime import DeviceInfo, Library
+from dpu_frontend.gpu.library import DeviceInfo, PersistentLibrary
 from dpu_frontend.transport.verbs import compat
 from dpu_frontend.transport.verbs.resources import RdmaResources, access_flags
 
@@ -51,27 +50,29 @@ def check_device(info: DeviceInfo) -> None:
             f"{WRITES_ORDERING_OWNER}): the kernel could see a commit word before the record")
 
 
-def register_gpu_region(lib: Library, peer: int, resources: RdmaResources,
+def register_gpu_region(lib: PersistentLibrary, handle: int, resources: RdmaResources,
                         size: int) -> tuple[Any, int]:
-    """The MR of the GPU region and the address the daemon names it by."""
+    """The MR of the GPU region of ``lib``'s ``handle`` (either persistent kernel's
+    library) and the address the daemon names it by: dma-buf first, nvidia-peermem
+    where there is no dma-buf or its registration fails."""
     access = access_flags(remote=True)
-    fd, offset = ctypes.c_int32(-1), ctypes.c_uint64(0)
-    dmabuf_error = ""
-    if lib.lib.dpuf_peer_dmabuf_fd(peer, ctypes.byref(fd), ctypes.byref(offset)) == 0:
+    try:
+        fd, offset = lib.dmabuf_fd(handle)
+    except StartupError as exc:
+        dmabuf_error = str(exc)
+    else:
         try:
-            mr = compat.module("mr").DmaBufMR(resources.pd, size, access, dmabuf=fd.value,
-                                              offset=offset.value)
-            return resources.keep(mr), offset.value  # pyverbs registers iova = offset
+            mr = compat.module("mr").DmaBufMR(resources.pd, size, access, dmabuf=fd,
+                                              offset=offset)
+            return resources.keep(mr), offset  # pyverbs registers iova = offset
         except (compat.module("errors").PyverbsError, TypeError) as exc:
             dmabuf_error = f"dma-buf registration failed: {exc}"
         finally:
-            os.close(fd.value)  # the MR holds its own reference to the dma-buf
-    else:
-        dmabuf_error = f"no dma-buf for the region: {lib.error()}"
+            os.close(fd)  # the MR holds its own reference to the dma-buf
     if not PEERMEM_MODULE.exists():
         raise StartupError(f"cannot register GPU memory for RDMA: {dmabuf_error}; and the "
                            "nvidia_peermem module is not loaded (modprobe nvidia_peermem)")
-    address = int(lib.lib.dpuf_peer_region_device_ptr(peer))
+    address = lib.region_device_ptr(handle)
     try:
         mr = compat.module("mr").MR(resources.pd, size, access, address=address)
         return resources.keep(mr), address

@@ -1,4 +1,4 @@
-"""Building the CUDA libraries, and loading the CUDA peer's with its ctypes binding.
+"""Building the CUDA libraries, and the CUDA peer's ctypes binding.
 
 Device code ships as package data beside the Python that owns its byte layouts:
 ``peer_kernel.cu`` (the persistent kernel and its host API, ``peer_kernel.h``)
@@ -23,6 +23,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.library import PersistentLibrary
 
 log = logging.getLogger("dpu_frontend.gpu")
 
@@ -121,20 +122,6 @@ def build(build_dir: Path, sources: CudaSources = PEER_SOURCES, *, arch: str = "
     return output
 
 
-class DeviceInfo(ctypes.Structure):
-    _fields_ = (
-        ("name", ctypes.c_char * 96),
-        ("sm_count", ctypes.c_int32),
-        ("major", ctypes.c_int32),
-        ("minor", ctypes.c_int32),
-        ("gdr_writes_ordering", ctypes.c_int32),
-        ("gdr_supported", ctypes.c_int32),
-        ("dmabuf_supported", ctypes.c_int32),
-        ("can_map_host", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
-    )
-
-
 class PeerParams(ctypes.Structure):
     """Mirror of ``dpuf_peer_params`` (CI checks every offset against the header)."""
 
@@ -164,43 +151,11 @@ MODE_REPLAY = 0
 MODE_ECHO = 1
 
 
-class Library:
-    """The loaded ``libdpuf_peer.so``; every call's failure raises with the library's reason."""
+class PeerLibrary(PersistentLibrary):
+    """``libdpuf_peer.so`` (peer_kernel.h): the persistent-kernel API, ``dpuf_peer_*``."""
 
-    def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise StartupError(f"cannot load the CUDA peer library {path}: {exc}") from exc
-        vp, i32, u32, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64
-        signatures = {
-            "dpuf_last_error": ((), ctypes.c_char_p),
-            "dpuf_device_info_get": ((i32, ctypes.POINTER(DeviceInfo)), ctypes.c_int),
-            "dpuf_peer_create": ((ctypes.POINTER(PeerParams),), vp),
-            "dpuf_peer_write_region": ((vp, u64, ctypes.c_char_p, u64), ctypes.c_int),
-            "dpuf_peer_region_device_ptr": ((vp,), u64),
-            "dpuf_peer_mailbox": ((vp,), vp),
-            "dpuf_peer_dmabuf_fd": ((vp, ctypes.POINTER(i32), ctypes.POINTER(u64)), ctypes.c_int),
-            "dpuf_peer_launch": ((vp,), ctypes.c_int),
-            "dpuf_peer_poll": ((vp,), ctypes.c_int),
-            "dpuf_peer_stop": ((vp, u32), ctypes.c_int),
-            "dpuf_peer_destroy": ((vp,), None),
-        }
-        for name, (args, restype) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, restype
-        self.lib = lib
-        self.path = path
-
-    def error(self) -> str:
-        message = self.lib.dpuf_last_error()
-        return message.decode(errors="replace") if message else "unknown error"
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise StartupError(f"{what}: {self.error()}")
-
-    def device_info(self, device: int) -> DeviceInfo:
-        info = DeviceInfo()
-        self.check(self.lib.dpuf_device_info_get(device, ctypes.byref(info)), "device query")
-        return info
+    what = "the CUDA peer library"
+    last_error = "dpuf_last_error"
+    prefix = "dpuf_peer"
+    device_query = "dpuf_device_info_get"
+    params = PeerParams

@@ -21,7 +21,6 @@ would draw.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.persistent import PersistentKernel
 from dpu_frontend.gpu.runtime import build, default_build_dir
 from dpu_frontend.model.device import SCHEDULER
 from dpu_frontend.model.device.sched_core import (
@@ -41,18 +41,15 @@ from dpu_frontend.model.device.sched_core import (
     ModelParams,
     ModelStats,
     SchedConfig,
+    SchedulerLibrary,
 )
 from dpu_frontend.model.graphs import StepGraph
 from dpu_frontend.model.kernels import ATTN_ROWS
 from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.sampler import BatchParams, Sampler
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.layout import CHANNEL_SIZE, HEADER_SIZE, MAX_TOP_LOGPROBS
-from dpu_frontend.ring.mailbox import KERNEL_BLOCK, KernelState, mailbox_area_size
-from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.transport.shm import map_file
 
 log = logging.getLogger("dpu_frontend.model")
 
@@ -144,45 +141,10 @@ class SamplerGraphs:
         self.graphs = [graphs[g] for g in range(len(steps))]
 
 
-class ModelLibrary:
-    """``libdpuf_sched.so``; every failure raises with the library's reason."""
+class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
+    """The model behind the ring with its scheduler on the GPU (``scheduler.cu``)."""
 
-    def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise StartupError(f"cannot load the GPU scheduler library {path}: {exc}") from exc
-        vp, i32, u32, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64
-        signatures = {
-            "dpuf_model_last_error": ((), ctypes.c_char_p),
-            "dpuf_model_create": ((ctypes.POINTER(ModelParams),), vp),
-            "dpuf_model_add_graph": ((vp, i32, i32, i32, i32, vp, u64,
-                                      ctypes.POINTER(ctypes.c_uint64)), ctypes.c_int),
-            "dpuf_model_write_region": ((vp, u64, ctypes.c_char_p, u64), ctypes.c_int),
-            "dpuf_model_mailbox": ((vp,), vp),
-            "dpuf_model_stats_mirror": ((vp,), vp),
-            "dpuf_model_writer_mirror": ((vp,), vp),
-            "dpuf_model_launch": ((vp,), ctypes.c_int),
-            "dpuf_model_poll": ((vp,), ctypes.c_int),
-            "dpuf_model_stop": ((vp, u32), ctypes.c_int),
-            "dpuf_model_destroy": ((vp,), None),
-        }
-        for name, (args, restype) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, restype
-        self.lib = lib
-
-    def error(self) -> str:
-        message = self.lib.dpuf_model_last_error()
-        return message.decode(errors="replace") if message else "unknown error"
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise StartupError(f"{what}: {self.error()}")
-
-
-class GpuSchedulerKernel(PeerKernel):
-    """The model behind the ring with its scheduler on the GPU (``PeerKernel``)."""
+    what = "the GPU scheduler"
 
     def __init__(self, peer: PeerConfig, runner: ModelRunner, eos: tuple[int, ...], *,
                  max_batched_tokens: int, library: Path | None = None,
@@ -199,7 +161,7 @@ class GpuSchedulerKernel(PeerKernel):
         if max_batched_tokens > largest:
             raise StartupError(f"--max-batched-tokens {max_batched_tokens} is more than the largest "
                                f"captured step ({largest} tokens)")
-        self.peer = peer
+        super().__init__(peer, runner.options.device)
         self.runner = runner
         self.eos = eos
         self.max_batched_tokens = max_batched_tokens
@@ -208,13 +170,6 @@ class GpuSchedulerKernel(PeerKernel):
         self.heartbeat_ns = int(heartbeat_us * 1000)
         self.idle_ns = int(idle_us * 1000)
         self.samplers = SamplerGraphs(runner)
-        self._lib: ModelLibrary | None = None
-        self._handle: int | None = None
-        self._map: Any = None
-        self._mailbox: AtomicMemory | None = None
-        self._keep: list[Any] = []
-        self._failure: str | None = None
-        self._channels = 0
 
     def capture(self) -> None:
         """The sampler graphs (before the ready line: a capture that fails fails the start)."""
@@ -222,17 +177,17 @@ class GpuSchedulerKernel(PeerKernel):
         assert graphs is not None
         self.samplers.capture(graphs.graphs, graphs.pool)
 
-    def _library(self) -> ModelLibrary:
-        if self._lib is None:
-            path = self.library_path
-            if path is None:
-                major, minor = torch.cuda.get_device_capability(self.runner.device)
-                path = build(self.build_dir or default_build_dir(), SCHEDULER,
-                             arch=f"sm_{major}{minor}")
-            self._lib = ModelLibrary(path)
-        return self._lib
+    def _load_library(self) -> SchedulerLibrary:
+        path = self.library_path
+        if path is None:
+            major, minor = torch.cuda.get_device_capability(self.runner.device)
+            path = build(self.build_dir or default_build_dir(), SCHEDULER,
+                         arch=f"sm_{major}{minor}")
+        return SchedulerLibrary.load(path)
 
-    def _params(self, layout: Layout, region_host: int) -> ModelParams:
+    def _params(self, layout: Layout, region_host: int | None) -> ModelParams:
+        if not self.samplers.graphs:
+            self.capture()
         runner, o, s = self.runner, self.runner.options, self.samplers
         c = runner.config
         header = layout.encode()
@@ -258,77 +213,28 @@ class GpuSchedulerKernel(PeerKernel):
             out_logprob=s.out_logprob.data_ptr(), out_top_ids=s.out_top_ids.data_ptr(),
             out_top_logprobs=s.out_top_logprobs.data_ptr())
 
-    def open(self, layout: Layout) -> RegionAddress:
-        lib = self._library()
-        if not self.samplers.graphs:
-            self.capture()
-        self._map = map_file(str(self.peer.shm_path), layout.region_size, create=True)
-        anchor = ctypes.c_char.from_buffer(self._map)
-        self._keep.append(anchor)
-        handle = lib.lib.dpuf_model_create(ctypes.byref(self._params(layout, ctypes.addressof(anchor))))
-        if not handle:
-            raise StartupError(f"cannot create the GPU scheduler: {lib.error()}")
-        self._handle = handle
+    def _created(self, lib: SchedulerLibrary, handle: int, layout: Layout) -> None:
+        """The step graphs, each with its sampler variants, instantiated for device launch."""
         graphs = self.runner.graphs
         assert graphs is not None
         torch.cuda.synchronize()
         for g, (shape, step) in enumerate(zip(graphs.shapes, graphs.graphs, strict=True)):
-            samplers = (ctypes.c_uint64 * len(VARIANTS))(
-                *(v.raw_cuda_graph() for v in self.samplers.graphs[g]))
-            lib.check(lib.lib.dpuf_model_add_graph(
-                handle, shape.tokens, shape.seqs, shape.tiles,
-                -1 if shape.samples is None else shape.samples, step.inputs.data_ptr(),
-                step.graph.raw_cuda_graph(), samplers), f"step graph {g}")
-        header = layout.encode()
-        lib.check(lib.lib.dpuf_model_write_region(handle, 0, header, len(header)),
-                  "writing the layout record")
-        self._channels = len(layout.channels)
-        size = mailbox_area_size(self._channels)
-        buffer = (ctypes.c_char * size).from_address(lib.lib.dpuf_model_mailbox(handle))
-        self._mailbox = AtomicMemory(buffer)
-        return RegionAddress(path=str(self.peer.shm_path))
+            lib.check(lib.add_graph(handle, shape.tokens, shape.seqs, shape.tiles, shape.samples,
+                                    step.inputs.data_ptr(), step.graph.raw_cuda_graph(),
+                                    [v.raw_cuda_graph() for v in self.samplers.graphs[g]]),
+                      f"step graph {g}")
 
-    @property
-    def mailbox(self) -> AtomicMemory:
-        if self._mailbox is None:
-            raise RuntimeError("kernel not opened")
-        return self._mailbox
+    def _running(self) -> None:
+        log.info("GPU scheduler running: %d step graphs, %d sampler variants each",
+                 len(self.samplers.graphs), len(VARIANTS))
 
-    async def start(self) -> None:
-        lib, handle = self._library(), self._require()
-        lib.check(lib.lib.dpuf_model_launch(handle), "launching the GPU scheduler")
-        for _ in range(10_000):
-            if self.mailbox.load_acquire(KERNEL_BLOCK.offset("state")) == KernelState.RUNNING:
-                log.info("GPU scheduler running: %d step graphs, %d sampler variants each",
-                         len(self.samplers.graphs), len(VARIANTS))
-                return
-            if self.failure() is not None:
-                break
-            await asyncio.sleep(0.001)
-        raise StartupError(f"the GPU scheduler did not start: {self.failure() or 'timeout'}")
-
-    def _require(self) -> int:
-        if self._handle is None:
-            raise RuntimeError("kernel not opened")
-        return self._handle
+    def _returned(self) -> str:
+        error = int(self.stats().error)
+        return ("the GPU scheduler returned" if not error
+                else f"the GPU scheduler stopped: {ERRORS.get(error, error)}")
 
     def stats(self) -> ModelStats:
-        lib, handle = self._library(), self._require()
-        mirror = ModelStats.from_address(lib.lib.dpuf_model_stats_mirror(handle))
-        out = ModelStats()
-        ctypes.memmove(ctypes.byref(out), ctypes.byref(mirror), ctypes.sizeof(ModelStats))
-        return out
-
-    def failure(self) -> str | None:
-        if self._failure is None and self._handle is not None and self._lib is not None:
-            rc = self._lib.lib.dpuf_model_poll(self._handle)
-            if rc == 0:
-                error = int(self.stats().error)
-                self._failure = ("the GPU scheduler returned" if not error
-                                 else f"the GPU scheduler stopped: {ERRORS.get(error, error)}")
-            elif rc < 0:
-                self._failure = f"the GPU scheduler failed: {self._lib.error()}"
-        return self._failure
+        return self.library().stats(self.handle())
 
     def kernel_stats(self) -> dict[str, Any]:
         if self._handle is None:
@@ -338,26 +244,3 @@ class GpuSchedulerKernel(PeerKernel):
                if name != "variants"}
         out.update({f"steps_{v}": int(st.variants[i]) for i, v in enumerate(VARIANTS)})
         return {"scheduler": "gpu", **out}
-
-    def channel_stats(self, channel: int) -> dict[str, Any]:
-        return {"kernel_steps": self.mailbox.load_acquire(KERNEL_BLOCK.offset("steps")),
-                "kernel_heartbeats": self.mailbox.load_acquire(KERNEL_BLOCK.offset("heartbeats"))}
-
-    async def close(self) -> None:
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        """Stop the kernels, free what the library holds, remove the shm file."""
-        if self._handle is not None and self._lib is not None:
-            if self._lib.lib.dpuf_model_stop(self._handle, 5000) != 0:
-                log.error("the GPU scheduler did not stop: %s", self._lib.error())
-            if self._mailbox is not None:
-                self._mailbox.release()
-            self._mailbox = None
-            self._lib.lib.dpuf_model_destroy(self._handle)
-            self._handle = None
-        self._keep.clear()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-            Path(self.peer.shm_path).unlink(missing_ok=True)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.library import CudaLibrary, Signature
 from dpu_frontend.ring.layout import (
     CHANNEL_SIZE,
     DPU_CTRL_STRUCT,
@@ -433,6 +435,23 @@ class WriterChannel(ctypes.Structure):
     )
 
 
+class WriterLibrary(CudaLibrary):
+    """``libdpuf_records.so`` (record_writer.h)."""
+
+    what = "the record writer library"
+    last_error = "dpuf_writer_last_error"
+
+    @classmethod
+    def api(cls) -> dict[str, Signature]:
+        vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64
+        return {**super().api(),
+                "dpuf_writer_create": ((ctypes.POINTER(WriterParams),), vp),
+                "dpuf_writer_mirror": ((vp,), ctypes.POINTER(WriterChannel)),
+                "dpuf_writer_launch": ((vp, u64, vp, u32, u32, u32, u32, vp, vp, vp, vp, u32),
+                                       ctypes.c_int),
+                "dpuf_writer_destroy": ((vp,), None)}
+
+
 @dataclass(slots=True)
 class _EventDone:
     event: Any  # torch.cuda.Event, recorded behind the launch
@@ -452,42 +471,24 @@ class CudaRecordBackend:
                  eos: tuple[int, ...], device: int) -> None:
         import torch  # the GPU side only
 
-        from dpu_frontend.errors import StartupError
-
         if len(layout.channels) > MAX_CHANNELS or len(eos) > MAX_EOS:
             raise StartupError(f"the record writer takes at most {MAX_CHANNELS} channels and "
                                f"{MAX_EOS} EOS ids")
         self._torch = torch
-        lib = ctypes.CDLL(str(library))
-        vp, u32, u64 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64
-        for name, args, restype in (
-            ("dpuf_writer_last_error", (), ctypes.c_char_p),
-            ("dpuf_writer_create", (ctypes.POINTER(WriterParams),), vp),
-            ("dpuf_writer_mirror", (vp,), ctypes.POINTER(WriterChannel)),
-            ("dpuf_writer_launch", (vp, u64, vp, u32, u32, u32, u32, vp, vp, vp, vp, u32),
-             ctypes.c_int),
-            ("dpuf_writer_destroy", (vp,), None),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, restype
-        self._lib = lib
+        self._lib = WriterLibrary.load(library)
         table = channel_table(layout)
         params = WriterParams(region=memory.address, region_size=len(memory),
                               channels=table, channel_count=len(layout.channels), slots=slots,
                               eos_count=len(eos), device=device)
         for i, t in enumerate(eos):
             params.eos[i] = t
-        handle = lib.dpuf_writer_create(ctypes.byref(params))
+        handle = self._lib.lib.dpuf_writer_create(ctypes.byref(params))
         if not handle:
-            raise StartupError(f"record writer: {self._error()}")
+            raise StartupError(f"record writer: {self._lib.error()}")
         self._handle: int | None = handle
-        self._mirror = lib.dpuf_writer_mirror(handle)
+        self._mirror = self._lib.lib.dpuf_writer_mirror(handle)
         self._count = len(layout.channels)
         self._device = torch.device("cuda", device)
-
-    def _error(self) -> str:
-        message = self._lib.dpuf_writer_last_error()
-        return message.decode(errors="replace") if message else "unknown error"
 
     def tallies(self) -> list[Tally]:
         return [Tally(m.reserved, m.published, m.tokens, m.completed, m.cancelled, m.epoch,
@@ -512,16 +513,16 @@ class CudaRecordBackend:
                 top_ids, top_lps = top_ids.contiguous(), top_lps.contiguous()
                 stride = int(top_ids.shape[1])
         stream = torch.cuda.current_stream(self._device).cuda_stream
-        rc = self._lib.dpuf_writer_launch(self._handle, stream, ptr(device_ops), *counts,
+        rc = self._lib.lib.dpuf_writer_launch(self._handle, stream, ptr(device_ops), *counts,
                                           ptr(tokens), ptr(logprob), ptr(top_ids), ptr(top_lps),
                                           stride)
         if rc != 0:
-            raise RuntimeError(f"record writer launch: {self._error()}")
+            raise RuntimeError(f"record writer launch: {self._lib.error()}")
         event = torch.cuda.Event()
         event.record()
         return _EventDone(event, (device_ops, tokens, logprob, top_ids, top_lps))
 
     def close(self) -> None:
         if self._handle is not None:
-            self._lib.dpuf_writer_destroy(self._handle)
+            self._lib.lib.dpuf_writer_destroy(self._handle)
             self._handle = None

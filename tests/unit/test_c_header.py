@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import json
+import re
 import shutil
 import subprocess
 import tomllib
@@ -22,11 +23,18 @@ from pathlib import Path
 import pytest
 
 import dpu_frontend
-from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, DeviceInfo, PeerParams
+from dpu_frontend.gpu.library import CudaLibrary, DeviceInfo
+from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, PeerLibrary, PeerParams
 from dpu_frontend.model import publish as publish_mod
 from dpu_frontend.model.device import RECORDS, SCHED_HOST, SCHEDULER, sched_core
-from dpu_frontend.model.device.sched_core import ModelParams, ModelStats, SchedConfig, SeqState
-from dpu_frontend.model.publish import WriterChannel, WriterParams
+from dpu_frontend.model.device.sched_core import (
+    ModelParams,
+    ModelStats,
+    SchedConfig,
+    SchedulerLibrary,
+    SeqState,
+)
+from dpu_frontend.model.publish import WriterChannel, WriterLibrary, WriterParams
 from dpu_frontend.ring import (
     CancelRecord,
     FinishReason,
@@ -252,3 +260,17 @@ def test_the_sources_are_package_data(sources: CudaSources) -> None:
     for path in sources.files():
         relative = path.relative_to(root).as_posix()
         assert any(fnmatch.fnmatch(relative, glob) for glob in package_data), relative
+
+
+@pytest.mark.parametrize(("binding", "sources", "header"), [
+    (PeerLibrary, PEER_SOURCES, "peer_kernel.h"),
+    (SchedulerLibrary, SCHEDULER, "scheduler.h"),
+    (WriterLibrary, RECORDS, "record_writer.h"),
+], ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_every_function_a_binding_calls_is_declared(binding: type[CudaLibrary],
+                                                    sources: CudaSources, header: str) -> None:
+    """The ctypes tables name functions of their library's header (CI cannot build the
+    library itself: a misspelt name would fail only when a GPU machine loads it)."""
+    declared = sources.path(header).read_text()
+    for name in binding.api():
+        assert re.search(rf"\b{name}\(", declared), f"{name} is not declared in {header}"

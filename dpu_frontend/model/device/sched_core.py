@@ -1,23 +1,27 @@
-"""The GPU scheduler's structures, and its core (``sched_core.h``) built for the host.
+"""The GPU scheduler's structures and library binding, and its core (``sched_core.h``)
+built for the host.
 
 The scheduler kernel (``scheduler.cu``) runs ``sched_core.h`` on the GPU. The
 same C, built for the host from ``sched_host.c``, is what the CPU tests hold
 to the Python scheduler (``dpu_frontend.model.scheduler``) and the step
 metadata (``dpu_frontend.model.metadata``): same batches, same preemptions,
 same bytes in a graph's static inputs. ``SchedConfig``, ``SeqState``,
-``ModelParams`` and ``ModelStats`` mirror the headers' structures (no torch
-here: CI checks their offsets).
+``ModelParams`` and ``ModelStats`` mirror the headers' structures, and
+``SchedulerLibrary`` binds ``libdpuf_sched.so``'s API (no torch here: CI checks
+the offsets, and the model peer checks the GPU with it before the model loads).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.library import PersistentLibrary, Signature, bind
 from dpu_frontend.gpu.runtime import build
 from dpu_frontend.model.device import SCHED_HOST
 
@@ -127,6 +131,43 @@ ERRORS = {1: "a step no captured graph holds", 2: "a device graph launch failed"
           3: "the record writer reported an error"}
 
 
+class SchedulerLibrary(PersistentLibrary):
+    """``libdpuf_sched.so`` (scheduler.h): the persistent-kernel API, ``dpuf_model_*``, and
+    the scheduler's own: its step graphs, its counters."""
+
+    what = "the GPU scheduler library"
+    last_error = "dpuf_model_last_error"
+    prefix = "dpuf_model"
+    device_query = "dpuf_model_device_info_get"
+    params = ModelParams
+
+    @classmethod
+    def api(cls) -> dict[str, Signature]:
+        vp, i32, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64
+        return {**super().api(),
+                "dpuf_model_add_graph": ((vp, i32, i32, i32, i32, vp, u64,
+                                          ctypes.POINTER(u64)), ctypes.c_int),
+                "dpuf_model_stats_mirror": ((vp,), vp),
+                "dpuf_model_writer_mirror": ((vp,), vp)}
+
+    def add_graph(self, handle: int, tokens: int, seqs: int, tiles: int, samples: int | None,
+                  inputs: int, forward: int, samplers: Sequence[int]) -> int:
+        """A captured step (its sizes, its static inputs, its forward graph and one sampler
+        graph per variant, as ``cudaGraph_t`` handles), in the order the scheduler tries
+        them."""
+        variants = (ctypes.c_uint64 * len(VARIANTS))(*samplers)
+        return int(self.lib.dpuf_model_add_graph(handle, tokens, seqs, tiles,
+                                                 -1 if samples is None else samples, inputs,
+                                                 forward, variants))
+
+    def stats(self, handle: int) -> ModelStats:
+        """A copy of the counters' pinned mirror."""
+        mirror = ModelStats.from_address(self.lib.dpuf_model_stats_mirror(handle))
+        out = ModelStats()
+        ctypes.memmove(ctypes.byref(out), ctypes.byref(mirror), ctypes.sizeof(ModelStats))
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     """One step as the core chose it: works as (entry, start, count, sample) rows,
@@ -144,7 +185,6 @@ class HostSchedCore:
     """``sched_core.h`` on the host, on state it owns (``sched_host.c``)."""
 
     def __init__(self, library: Path, config: SchedConfig) -> None:
-        lib = ctypes.CDLL(str(library))
         vp, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
         p32 = ctypes.POINTER(ctypes.c_int32)
         signatures = {
@@ -162,9 +202,7 @@ class HostSchedCore:
             "dpuf_sched_host_batch": ((vp, p32, p32, p32, p32), u64),
             "dpuf_sched_host_seq": ((vp, i32, ctypes.POINTER(SeqState), p32), i32),
         }
-        for name, (args, restype) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, restype
+        lib = bind(library, signatures, "the scheduler core's host build")
         self._lib = lib
         self.config = config
         self._handle = lib.dpuf_sched_host_new(ctypes.byref(config))

@@ -834,6 +834,8 @@ extern "C" {
 
 const char *dpuf_model_last_error(void) { return g_last_error; }
 
+int dpuf_model_device_info_get(int32_t device, dpuf_device_info *out) { return device_info_get(device, out); }
+
 dpuf_model *dpuf_model_create(const dpuf_model_params *p) {
     if (!validate(p)) return nullptr;
     dpuf_model *m = (dpuf_model *)calloc(1, sizeof *m);
@@ -872,6 +874,17 @@ int dpuf_model_add_graph(dpuf_model *m, int32_t tokens, int32_t seqs, int32_t ti
 int dpuf_model_write_region(dpuf_model *m, uint64_t offset, const void *data, uint64_t n) {
     if (m == NULL || (data == NULL && n != 0)) return set_error("model or data is NULL"), -1;
     return region_write(&m->region, offset, data, n);
+}
+
+uint64_t dpuf_model_region_device_ptr(dpuf_model *m) {
+    if (m == NULL) return set_error("model is NULL"), 0;
+    return (uint64_t)(uintptr_t)m->region.dev;
+}
+
+int dpuf_model_dmabuf_fd(dpuf_model *m, int32_t *fd, uint64_t *offset) {
+    if (m == NULL || fd == NULL || offset == NULL) return set_error("model, fd or offset is NULL"), -1;
+    DPUF_CHECK(cudaSetDevice(m->device));
+    return region_dmabuf_fd(&m->region, fd, offset);
 }
 
 void *dpuf_model_mailbox(dpuf_model *m) { return m->mbx_host; }

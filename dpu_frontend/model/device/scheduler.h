@@ -19,6 +19,7 @@
 #ifndef DPUF_SCHEDULER_H
 #define DPUF_SCHEDULER_H
 
+#include "device_info.h"
 #include "ring_protocol.h"
 #include "record_writer.h"
 #include "sched_core.h"
@@ -110,6 +111,9 @@ typedef struct dpuf_model_stats {
 typedef struct dpuf_model dpuf_model;
 
 const char *dpuf_model_last_error(void);
+/* The device as GPUDirect RDMA sees it (device_info.h), before any allocation:
+ * the launcher checks it before the model loads. */
+int dpuf_model_device_info_get(int32_t device, dpuf_device_info *out);
 dpuf_model *dpuf_model_create(const dpuf_model_params *params);
 /* A captured step: its sizes, its static input buffer (device), the
  * cudaGraph_t of its forward (`forward`) and of each sampler variant
@@ -119,6 +123,10 @@ dpuf_model *dpuf_model_create(const dpuf_model_params *params);
 int dpuf_model_add_graph(dpuf_model *m, int32_t tokens, int32_t seqs, int32_t tiles, int32_t samples, void *inputs,
                          uint64_t forward, const uint64_t *samplers);
 int dpuf_model_write_region(dpuf_model *m, uint64_t offset, const void *data, uint64_t n);
+/* The region as the GPU addresses it (for RDMA registration of a GPU region). */
+uint64_t dpuf_model_region_device_ptr(dpuf_model *m);
+/* A dma-buf fd for a GPU region (cuMemGetHandleForAddressRange). */
+int dpuf_model_dmabuf_fd(dpuf_model *m, int32_t *fd, uint64_t *offset);
 /* Host pointer to the mailbox area: one dpuf_kernel_block, then one
  * dpuf_mailbox per channel (pinned, mapped host memory). */
 void *dpuf_model_mailbox(dpuf_model *m);
