@@ -21,6 +21,7 @@ from dpu_frontend.ring import Geometry
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
 from dpu_frontend.text.tokenizer import Vocabulary
+from dpu_frontend.transport.factory import transport_class
 from dpu_frontend.transport.verbs import compat
 from dpu_frontend.transport.verbs.device import SYSFS, gid_table, kernel_has_rxe, resolve
 
@@ -39,7 +40,7 @@ class Finding:
 
 
 def rdma(config: ServeConfig, sysfs: Path = SYSFS) -> list[Finding]:
-    needed = config.transport == "verbs"
+    needed = transport_class(config).rdma
     found = []
     table = gid_table(sysfs)
     for device in sorted({e.device for e in table}):
@@ -77,8 +78,8 @@ def rdma(config: ServeConfig, sysfs: Path = SYSFS) -> list[Finding]:
 
 def memlock(config: ServeConfig, per_peer: int | None = None) -> Finding:
     """Registration pins pages: the limit must cover the staging buffer of every peer."""
-    if config.transport != "verbs":
-        return Finding(INFO, "shm transport: no memory registration")
+    if not transport_class(config).rdma:
+        return Finding(INFO, f"{config.transport} transport: no memory registration")
     need = len(config.peers) * (per_peer or staging_bytes_for(Geometry().plan(1).channels[0]))
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= need:

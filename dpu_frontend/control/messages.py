@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 
+from dpu_frontend.config import TRANSPORTS
 from dpu_frontend.control.auth import NONCE_BYTES, PROOF_BYTES
 from dpu_frontend.errors import LayoutMismatch, PeerError, StartupError
 from dpu_frontend.ring.layout import VERSION_MAJOR, version_refusal
@@ -45,7 +46,7 @@ async def receive(reader: asyncio.StreamReader) -> dict[str, Any]:
 class Hello:
     """Daemon -> peer: which channel, over which transport, and the daemon's QP."""
 
-    transport: str  # "verbs" or "shm"
+    transport: str  # one of config.TRANSPORTS
     channel: int = -1  # -1: any free channel
     qp: dict[str, Any] | None = None
     protocol: int = VERSION_MAJOR
@@ -66,7 +67,7 @@ class Hello:
         protocol, channel, transport = m.get("protocol"), m.get("channel", -1), m.get("transport")
         if not isinstance(protocol, int) or not isinstance(channel, int):
             raise PeerError("hello: protocol and channel must be integers")
-        if transport not in ("verbs", "shm"):
+        if transport not in TRANSPORTS:
             raise PeerError(f"hello: unknown transport {transport!r}")
         qp = m.get("qp")
         nonce = m.get("nonce")

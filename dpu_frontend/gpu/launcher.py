@@ -12,6 +12,9 @@ host CPU never touches a token. Where the region lives:
 * ``--transport verbs``: GPU memory (``cudaMalloc``), registered for RDMA with
   dma-buf or nvidia-peermem (``gpu/registration.py``), after checking the
   device's GPUDirect RDMA write ordering.
+
+The transport's provider decides which (``peer/region.py``); ``gpu/persistent.py``
+does the rest, as for the scheduler inside the GPU.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
 
     def __init__(self, config: GpuPeerConfig, corpus: list[list[int]],
                  eos_token_ids: tuple[int, ...]) -> None:
-        super().__init__(config.peer, config.device)
+        super().__init__(config.device)
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids

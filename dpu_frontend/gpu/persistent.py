@@ -11,10 +11,11 @@ differ only where they must: the library they load, the parameters they create
 it with, what they add once it exists (the scheduler's step graphs), and how
 they read its end.
 
-Where the region lives is the transport's decision: the shm transport's file,
-mapped into the GPU by the library; or, for a NIC, GPU memory that the library
-allocates and ``gpu/registration.py`` registers (dma-buf or nvidia-peermem),
-after the device's GPUDirect RDMA checks.
+Where the region lives is the transport's decision (``peer/region.py``): the
+shm transport's file, mapped into the GPU by the library; or, for a NIC, GPU
+memory that the library allocates and ``gpu/registration.py`` registers
+(dma-buf or nvidia-peermem), after the device's GPUDirect RDMA checks
+(``check_region``, which the model peer also runs before its model loads).
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ import asyncio
 import ctypes
 import logging
 import mmap
-from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
-from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
 from dpu_frontend.gpu.library import DeviceInfo, PersistentLibrary
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.peer.kernel import PeerKernel
+from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.mailbox import KERNEL_BLOCK, KernelState, mailbox_area_size
 from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.transport.shm import map_file
 from dpu_frontend.transport.verbs.resources import RdmaResources
 
 log = logging.getLogger("dpu_frontend.gpu")
@@ -56,14 +55,26 @@ def describe(device: int, info: DeviceInfo) -> str:
             f"{'yes' if info.dmabuf_supported else 'no'}")
 
 
+def check_region(region: Region, library: PersistentLibrary, device: int) -> DeviceInfo:
+    """Refuse, with the reason and before anything is allocated, a machine this
+    transport's region cannot work on: the transport's own needs (an RDMA device) and,
+    for a region in GPU memory, the device's GPUDirect RDMA and its write ordering.
+    Cheap (no allocation): the model peer runs it before its model loads."""
+    region.check()
+    info = library.device_info(device)
+    log.info("%s", describe(device, info))
+    if region.gpu_memory:
+        registration.check_device(info)
+    return info
+
+
 class PersistentKernel(PeerKernel, Generic[LibraryT]):
     """A persistent kernel's library behind the ``PeerKernel`` interface."""
 
     #: What the messages call the kernel ("the persistent kernel", "the GPU scheduler").
     what: ClassVar[str]
 
-    def __init__(self, peer: PeerConfig, device: int) -> None:
-        self.peer = peer
+    def __init__(self, device: int) -> None:
         self.device = device
         self._lib: LibraryT | None = None
         self._handle: int | None = None
@@ -102,18 +113,15 @@ class PersistentKernel(PeerKernel, Generic[LibraryT]):
             self._lib = self._load_library()
         return self._lib
 
-    def open(self, layout: Layout) -> RegionAddress:
+    def open(self, layout: Layout, region: Region) -> RegionAddress:
         lib = self.library()
-        info = lib.device_info(self.device)
-        log.info("%s", describe(self.device, info))
+        check_region(region, lib, self.device)  # refuse before allocating anything
         region_host = None
-        if self.peer.transport == "shm":
-            self._map = map_file(str(self.peer.shm_path), layout.region_size, create=True)
+        self._map = region.kernel_memory(layout.region_size)
+        if self._map is not None:  # host memory, which the library maps into the GPU
             anchor = ctypes.c_char.from_buffer(self._map)
             self._keep.append(anchor)
             region_host = ctypes.addressof(anchor)
-        else:
-            registration.check_device(info)  # refuse before allocating anything
         handle = lib.create(self._params(layout, region_host))
         if not handle:
             raise StartupError(f"cannot create {self.what}: {lib.error()}")
@@ -124,9 +132,7 @@ class PersistentKernel(PeerKernel, Generic[LibraryT]):
         size = mailbox_area_size(len(layout.channels))
         self._mailbox_buffer = (ctypes.c_char * size).from_address(lib.mailbox(handle))
         self._mailbox = AtomicMemory(self._mailbox_buffer)
-        if self.peer.transport == "shm":
-            return RegionAddress(path=str(self.peer.shm_path))
-        return RegionAddress()
+        return RegionAddress()  # registered by the library's handle, not an address
 
     def register(self, resources: RdmaResources, region: RegionAddress,
                  size: int) -> tuple[Any, int]:
@@ -186,6 +192,5 @@ class PersistentKernel(PeerKernel, Generic[LibraryT]):
             self._handle = None
         self._keep.clear()  # the map's anchor first: an exported buffer cannot be closed
         if self._map is not None:
-            self._map.close()
+            self._map.close()  # the provider removes what is left (the shm file)
             self._map = None
-            Path(self.peer.shm_path).unlink(missing_ok=True)

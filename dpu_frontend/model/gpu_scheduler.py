@@ -161,7 +161,8 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
         if max_batched_tokens > largest:
             raise StartupError(f"--max-batched-tokens {max_batched_tokens} is more than the largest "
                                f"captured step ({largest} tokens)")
-        super().__init__(peer, runner.options.device)
+        super().__init__(runner.options.device)
+        self.peer = peer
         self.runner = runner
         self.eos = eos
         self.max_batched_tokens = max_batched_tokens

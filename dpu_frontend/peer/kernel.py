@@ -1,30 +1,23 @@
 """What serves the rings behind a peer's control plane: the reference token generator or the
 CUDA kernel.
 
-A ``PeerKernel`` owns the region (the memory the daemon READs and WRITEs) and
-the mailbox area (host memory only the launcher and the kernel touch). The
-control plane (``peer/server.py``) never touches a ring: it attaches and
-detaches channels by mailbox commands (``ring/mailbox.py``) and reads the
-kernel's counters, exactly as a launcher drives a persistent GPU kernel.
+A ``PeerKernel`` owns the region (the memory the daemon READs and WRITEs), which
+it takes where the transport's provider says (``peer/region.py``), and the
+mailbox area (host memory only the launcher and the kernel touch). The control
+plane (``peer/server.py``) never touches a ring: it attaches and detaches
+channels by mailbox commands (``ring/mailbox.py``) and reads the kernel's
+counters, exactly as a launcher drives a persistent GPU kernel.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Any
 
+from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.gpu import RingMemory
 from dpu_frontend.transport.verbs.resources import RdmaResources
-
-
-@dataclass(frozen=True, slots=True)
-class RegionAddress:
-    """Where the region is, for memory registration (verbs) or mapping (shm)."""
-
-    host_address: int = 0  # a host mapping's virtual address (0: none)
-    path: str | None = None  # the shm file
 
 
 class PeerKernel(abc.ABC):
@@ -37,8 +30,9 @@ class PeerKernel(abc.ABC):
     """
 
     @abc.abstractmethod
-    def open(self, layout: Layout) -> RegionAddress:
-        """Allocate the region and the mailbox area, write the layout record at offset 0."""
+    def open(self, layout: Layout, region: Region) -> RegionAddress:
+        """Take the region's memory from ``region`` (the transport's provider), allocate the
+        mailbox area, write the layout record at offset 0."""
 
     @property
     @abc.abstractmethod
@@ -48,7 +42,8 @@ class PeerKernel(abc.ABC):
     def register(self, resources: RdmaResources, region: RegionAddress,
                  size: int) -> tuple[Any, int]:
         """Register the region for remote READ and WRITE (verbs); return the MR and the
-        address the daemon's operations name."""
+        address the daemon's operations name. This one registers host memory; a kernel
+        whose region is GPU memory overrides it."""
         if not region.host_address:
             raise ValueError("the region has no host mapping to register")
         return resources.register(region.host_address, size, remote=True), region.host_address

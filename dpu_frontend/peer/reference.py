@@ -6,8 +6,8 @@ sequences); in a step it drains every committed request record into its own
 store (so a cancel never waits behind generates), advances every running
 sequence by one record, publishes what the response ring has room for and
 keeps the rest buffered; and it beats the heartbeat every tick, whatever a
-step did. Its region is a shared-memory file (shm) or an anonymous mapping
-(verbs, registered by the control plane).
+step did. Its region is host memory, where the transport's provider puts it
+(``peer/region.py``: the shm file, or an anonymous mapping a NIC registers).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import mmap
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.peer.generator import GeneratorStats, StepBatch, TokenGenerator
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.peer.kernel import PeerKernel
+from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.ring import (
     CancelRecord,
     GenerateRecord,
@@ -40,7 +40,6 @@ from dpu_frontend.ring.mailbox import (
     mailbox_area_size,
 )
 from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.transport.shm import map_file
 
 log = logging.getLogger("dpu_frontend.peer")
 
@@ -129,28 +128,22 @@ class ReferenceKernel(PeerKernel):
         self._heart: asyncio.Task[None] | None = None
         self._failure: str | None = None
 
-    def open(self, layout: Layout) -> RegionAddress:
+    def open(self, layout: Layout, region: Region) -> RegionAddress:
         cfg = self.config
-        size = layout.region_size
-        if cfg.transport == "shm":
-            self._map = map_file(str(cfg.shm_path), size, create=True)
-        else:
-            self._map = mmap.mmap(-1, size)
-        region = self._region = AtomicMemory(self._map)
-        region.write(0, layout.encode())
+        self._map = region.host_memory(layout.region_size)
+        memory = self._region = AtomicMemory(self._map)
+        memory.write(0, layout.encode())
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
         if self._opened is not None:
-            self._opened(region, layout)
+            self._opened(memory, layout)
         for i, ch in enumerate(layout.channels):
             per_step = cfg.tokens_per_step or ch.tokens_per_response
             space = RecordSpace(
                 min(per_step, ch.tokens_per_response),
                 min(per_step, ch.logprob_tokens_per_response) if ch.logprobs else 0)
-            self._channels.append(_Channel(i, GpuChannel(region, ch), self._sources(i, space),
+            self._channels.append(_Channel(i, GpuChannel(memory, ch), self._sources(i, space),
                                            KernelMailbox(self._mailbox, i)))
-        if cfg.transport == "shm":
-            return RegionAddress(path=str(cfg.shm_path))
-        return RegionAddress(host_address=region.address)
+        return RegionAddress(host_address=memory.address)
 
     def _generator(self, channel: int, space: RecordSpace) -> SequenceSource:
         cfg = self.config
@@ -293,8 +286,5 @@ class ReferenceKernel(PeerKernel):
                 memory.release()
         self._region = self._mailbox = None
         if self._map is not None:
-            self._map.close()
+            self._map.close()  # the provider removes what is left (the shm file)
             self._map = None
-            if self.config.transport == "shm":
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.config.shm_path)

@@ -1,8 +1,9 @@
 """A GPU peer's control plane: the region, the layout record, channels granted to daemons.
 
-The peer registers its region once (an anonymous mapping or GPU memory under
-verbs, a shared-memory file under shm), publishes the layout record at
-offset 0, and hands out one channel per daemon worker. It never touches a
+The peer registers its region once (where the transport's provider puts it,
+``peer/region.py``: a shared-memory file under shm; host or GPU memory a NIC
+registers under verbs), publishes the layout record at offset 0, and hands out
+one channel per daemon worker. It never touches a
 ring itself: a ``PeerKernel`` (the reference token generator, or the CUDA
 kernel) serves them, and the control plane attaches and detaches channels
 through the kernel's mailbox (``ring/mailbox.py``), the way a launcher drives
@@ -11,8 +12,9 @@ a persistent GPU kernel:
 * attach: ATTACH with the channel's next epoch; the kernel resets the channel
   between two steps and acknowledges; then the QP is brought up and the
   daemon is welcomed with the epoch;
-* detach (the control connection closed): the QP is destroyed first, so no
-  late WRITE of the old session can land, then DETACH.
+* detach (the control connection closed): the channel's link goes first (the QP
+  destroyed, or shm's grace period), so no late WRITE of the old session can
+  land, then DETACH.
 
 The connection stays open exactly while the channel is in use: when the
 kernel stops serving a channel (it failed, or it detached the channel on its
@@ -36,15 +38,15 @@ from dpu_frontend.control import auth, messages
 from dpu_frontend.errors import DpuFrontendError, LayoutMismatch, PeerError
 from dpu_frontend.lifecycle import PEER_READY, announce_ready, stop_on_signals
 from dpu_frontend.peer.generator import default_corpus
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.reference import ReferenceKernel
+from dpu_frontend.peer.region import Link, region_for
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.layout import version_refusal
 from dpu_frontend.ring.mailbox import Ack, ChannelState, Command, HostMailbox, MailboxError
 from dpu_frontend.sdnotify import Notifier
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
-from dpu_frontend.transport.verbs.resources import QpInfo, RdmaResources
 
 log = logging.getLogger("dpu_frontend.peer")
 
@@ -54,10 +56,6 @@ MAILBOX_TIMEOUT_S = 10.0
 #: How long a daemon has to answer the challenge.
 AUTH_TIMEOUT_S = 10.0
 MAILBOX_POLL_S = 0.0002
-#: shm has no QP to destroy: after a session's control connection closes, the
-#: channel waits this long before it can be attached again, so that a poll the
-#: old daemon had under way cannot land in the next attachment.
-SHM_DETACH_GRACE_S = 0.2
 #: How often a session checks that the kernel still serves its channel. The kernel
 #: reports a failure or a detach in memory, with nothing to wait on; this is a
 #: hundredth of the daemon's default heartbeat deadline (--peer-timeout).
@@ -72,7 +70,7 @@ class _Channel:
     attached: bool = False  # an ATTACH was posted: DETACH it when the session ends
     epoch: int = 0  # the last epoch posted; epochs only grow, acknowledged or not
     attachments: int = 0
-    qp: Any = None
+    link: Link | None = None  # the attachment's way in (its QP under verbs)
     unacked: int = 0  # a command's sequence number the kernel has not acknowledged yet
 
     @property
@@ -87,10 +85,7 @@ class PeerServer:
         self.model = model
         self.layout: Layout | None = None
         self.port = config.port
-        self._region = RegionAddress()
-        self._resources: RdmaResources | None = None
-        self._mr: Any = None
-        self._remote_address = 0
+        self.region = region_for(config)
         self._channels: list[_Channel] = []
         self._server: asyncio.Server | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -101,12 +96,8 @@ class PeerServer:
         if cfg.secret_file is not None:
             auth.load_secret(cfg.secret_file)  # a missing or open secret stops us here
         self.layout = cfg.geometry.plan(instance=secrets.randbits(63) | 1)
-        self._region = self.kernel.open(self.layout)
-        if cfg.transport == "verbs":
-            self._resources = RdmaResources(cfg.rdma.device, cfg.rdma.ip)
-            self._resources.open()
-            self._mr, self._remote_address = self.kernel.register(
-                self._resources, self._region, self.layout.region_size)
+        address = self.kernel.open(self.layout, self.region)
+        self.region.open(self.kernel, address, self.layout.region_size)
         # Epochs start at a random point, so that a restarted peer never reuses the
         # epoch of its previous life (whose records a daemon could still be holding).
         self._channels = [_Channel(i, HostMailbox(self.kernel.mailbox, i),
@@ -228,26 +219,10 @@ class PeerServer:
             raise PeerError(f"the kernel refused to attach channel {channel.index} in epoch "
                             f"{epoch}: {ack.error.name}")
         channel.attachments += 1
-        qp_info: dict[str, Any] | None = None
-        if self.config.transport == "shm":
-            region: dict[str, Any] = {"path": self._region.path}
-        else:
-            resources = self._resources
-            if resources is None or hello.qp is None:
-                raise PeerError("verbs hello without a QP description")
-            qp = resources.create_qp()
-            try:
-                local = resources.local_info(qp)
-                resources.to_rts(qp, local, QpInfo.from_dict(hello.qp))
-            except BaseException:
-                resources.destroy_qp(qp)
-                raise
-            channel.qp = qp
-            qp_info = local.to_dict()
-            region = {"addr": self._remote_address, "rkey": self._mr.rkey}
+        link = channel.link = self.region.link(hello.qp)
         return messages.Welcome(
             channel=channel.index, instance=layout.instance, region_size=layout.region_size,
-            region=region, epoch=epoch, qp=qp_info, model=self.model,
+            region=link.region, epoch=epoch, qp=link.qp_info, model=self.model,
         )
 
     async def _hold(self, channel: _Channel, reader: asyncio.StreamReader) -> str | None:
@@ -276,15 +251,13 @@ class PeerServer:
             log.error("channel %d: a session that no longer holds it ended; left alone",
                       channel.index)
             return
-        # The QP goes first: once it is destroyed no WRITE of this session can land,
-        # so the next ATTACH's reset is final. shm has no QP: a short grace instead.
-        if channel.qp is not None and self._resources is not None:
-            self._resources.destroy_qp(channel.qp)
-        channel.qp = None
+        # The link goes first: once it is gone no WRITE of this session can land, so
+        # the next ATTACH's reset is final. A session never welcomed has none.
+        link, channel.link = channel.link, None
         try:
+            if link is not None:
+                await self.region.unlink(link)
             if channel.attached:
-                if self.config.transport == "shm":
-                    await asyncio.sleep(SHM_DETACH_GRACE_S)
                 await self._command(channel, Command.DETACH)
                 channel.attached = False
                 log.info("channel %d detached (epoch %d)", channel.index, channel.epoch)
@@ -349,9 +322,11 @@ class PeerServer:
             await asyncio.gather(*sessions, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
-        if self._resources is not None:
-            self._resources.close()  # QPs and the region's MR before the memory goes
-        await self.kernel.close()
+        self.region.close()  # what registered the region, before the memory goes
+        try:
+            await self.kernel.close()
+        finally:
+            self.region.release()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
+from dpu_frontend.config import ServeConfig
 from dpu_frontend.ring import ReadOp, WriteOp
 
 
 class Transport(abc.ABC):
     """The DPU's view of one channel of a peer's region."""
+
+    #: Bytes move by RDMA: the daemon needs an RDMA device and pyverbs, and registers
+    #: (pins) its staging memory.
+    rdma: ClassVar[bool] = False
+
+    @classmethod
+    def for_config(cls, config: ServeConfig) -> Transport:
+        """A transport for one session of ``config``'s daemon."""
+        return cls()
 
     def offer(self) -> dict[str, Any] | None:
         """Set up the local end; what the hello carries to the peer (verbs: the QP)."""

@@ -174,8 +174,8 @@ class FaultyKernel(ReferenceKernel):
         return [channel.ring for channel in self._channels
                 if isinstance(channel.ring, FaultyRing)]
 
-    def open(self, layout: Any) -> Any:
-        address = super().open(layout)
+    def open(self, layout: Any, region: Any) -> Any:
+        address = super().open(layout, region)
         for channel in self._channels:
             channel.ring = FaultyRing(channel.ring.mem, channel.ring.layout)
         return address

@@ -11,11 +11,12 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from dpu_frontend.config import PeerConfig
+from dpu_frontend.config import PeerConfig, RdmaConfig
 from dpu_frontend.model.engine import Completion, ModelEngine
 from dpu_frontend.model.publish import HostRecordBackend, RingRecords, Target
 from dpu_frontend.model.source import EngineHub, RingSource
 from dpu_frontend.peer.reference import ReferenceKernel
+from dpu_frontend.peer.region import VerbsRegion
 from dpu_frontend.ring import (
     FinishReason,
     Geometry,
@@ -257,7 +258,7 @@ def test_the_peer_loop_with_gpu_records_cancels_and_reattaches() -> None:
                              stats=hub.stats, opened=hub.opened, closing=hub.closed)
     layout = Geometry(channels=2, req_slots=16, arena_bytes=8192, resp_slots=64,
                       max_sequences=32).plan(instance=5)
-    kernel.open(layout)
+    kernel.open(layout, VerbsRegion(RdmaConfig()))  # an anonymous mapping: no file, no NIC
     memory, mailbox = kernel._region, HostMailbox(kernel.mailbox, 0)
     assert memory is not None
 

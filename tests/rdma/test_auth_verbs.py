@@ -11,6 +11,7 @@ import pytest
 from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.engine.session import PeerSession
 from dpu_frontend.errors import StartupError
+from dpu_frontend.peer.region import VerbsRegion
 from dpu_frontend.peer.server import PeerServer, reference_model
 from dpu_frontend.ring import Geometry
 from dpu_frontend.softroce.harness import RXE_IP
@@ -48,10 +49,12 @@ async def test_only_a_daemon_that_proves_the_secret_gets_a_qp() -> None:
     try:
         with pytest.raises(StartupError, match="failed to prove the shared secret"):
             await PeerSession.connect(daemon(wrong), address)
-        assert peer._resources is not None and peer._resources._qps == []
+        assert isinstance(peer.region, VerbsRegion)
+        resources = peer.region.resources
+        assert resources is not None and resources._qps == []
         session = await PeerSession.connect(daemon(right), address)
         try:
-            assert len(peer._resources._qps) == 1 and session.layout is not None
+            assert len(resources._qps) == 1 and session.layout is not None
         finally:
             await session.close()
     finally:

@@ -11,6 +11,7 @@ from dpu_frontend.config import PeerAddress, PeerConfig, RdmaConfig, ServeConfig
 from dpu_frontend.engine.pool import PeerPool
 from dpu_frontend.errors import PeerError
 from dpu_frontend.metrics import Metrics
+from dpu_frontend.peer.region import VerbsRegion
 from dpu_frontend.peer.server import PeerServer, reference_model
 from dpu_frontend.ring import Geometry, SamplingParams
 from dpu_frontend.softroce.harness import RXE_IP
@@ -51,9 +52,11 @@ async def test_a_lost_gpu_side_qp_is_a_completion_error() -> None:
         stream = pool.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
         await anext(stream)  # generation is under way
         channel = peer._channels[0]
-        assert channel.qp is not None and peer._resources is not None
-        peer._resources.destroy_qp(channel.qp)  # what a GPU-side failure looks like
-        channel.qp = None
+        assert channel.link is not None and isinstance(peer.region, VerbsRegion)
+        resources = peer.region.resources
+        assert resources is not None
+        resources.destroy_qp(channel.link.qp)  # what a GPU-side failure looks like
+        channel.link = None
         with pytest.raises(PeerError, match=r"completion error|did not complete"):
             async with asyncio.timeout(60):
                 async for _ in stream:

@@ -13,10 +13,12 @@ from dpu_frontend.config import PeerAddress, PeerConfig, ServeConfig
 from dpu_frontend.control import messages
 from dpu_frontend.engine.session import PeerSession
 from dpu_frontend.errors import PeerError
+from dpu_frontend.peer import region as region_mod
 from dpu_frontend.peer import server as server_mod
 from dpu_frontend.peer.generator import TokenGenerator
-from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
+from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.reference import ReferenceKernel
+from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.peer.server import PeerServer
 from dpu_frontend.ring import Geometry, Layout, SamplingParams
 from dpu_frontend.ring.mailbox import ChannelState, Command, KernelMailbox, MailboxError, mailbox_area_size
@@ -39,9 +41,9 @@ class SlowKernel(PeerKernel):
         self._mailbox: AtomicMemory | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def open(self, layout: Layout) -> RegionAddress:
+    def open(self, layout: Layout, region: Region) -> RegionAddress:
         self._mailbox = AtomicMemory(bytearray(mailbox_area_size(len(layout.channels))))
-        return RegionAddress(path="/dev/shm/unused")
+        return RegionAddress()
 
     @property
     def mailbox(self) -> AtomicMemory:
@@ -119,7 +121,7 @@ async def test_an_attach_acknowledged_late_does_not_poison_the_channel(
     """The kernel runs an ATTACH after the control plane gave up on it: the next
     daemon still gets the channel, in a later epoch (never a BAD_EPOCH loop)."""
     monkeypatch.setattr(server_mod, "MAILBOX_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(server_mod, "SHM_DETACH_GRACE_S", 0.0)
+    monkeypatch.setattr(region_mod, "SHM_DETACH_GRACE_S", 0.0)
     kernel = SlowKernel()
     peer = PeerServer(PeerConfig(transport="shm", port=0, geometry=GEOMETRY), kernel, {})
     await peer.start()
@@ -139,7 +141,7 @@ async def test_a_channel_the_kernel_detached_on_its_own_loses_its_connection_at_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon learns it from the connection's end, not from its heartbeat deadline;
     the next hello attaches the channel again, in a later epoch."""
-    monkeypatch.setattr(server_mod, "SHM_DETACH_GRACE_S", 0.0)
+    monkeypatch.setattr(region_mod, "SHM_DETACH_GRACE_S", 0.0)
     kernel = SlowKernel(awake=True)
     peer = PeerServer(PeerConfig(transport="shm", port=0, geometry=GEOMETRY), kernel, {})
     await peer.start()
@@ -159,7 +161,7 @@ async def test_a_channel_the_kernel_detached_on_its_own_loses_its_connection_at_
 
 async def test_a_stale_session_never_detaches_the_channel_another_one_holds(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_mod, "SHM_DETACH_GRACE_S", 0.0)
+    monkeypatch.setattr(region_mod, "SHM_DETACH_GRACE_S", 0.0)
     kernel = SlowKernel(awake=True)
     peer = PeerServer(PeerConfig(transport="shm", port=0, geometry=GEOMETRY), kernel, {})
     await peer.start()

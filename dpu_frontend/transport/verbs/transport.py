@@ -20,9 +20,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dpu_frontend.config import RdmaConfig
+from dpu_frontend.config import RdmaConfig, ServeConfig
 from dpu_frontend.errors import PeerError, TransportError
 from dpu_frontend.ring import ReadOp, WriteOp
+from dpu_frontend.ring.layout import HEADER_SIZE
 from dpu_frontend.transport.base import Transport
 from dpu_frontend.transport.verbs import compat
 from dpu_frontend.transport.verbs.resources import SQ_DEPTH, QpInfo, RdmaResources
@@ -49,6 +50,8 @@ def pin(buf: mmap.mmap) -> tuple[int, ctypes.c_char]:
 
 
 class VerbsTransport(Transport):
+    rdma = True
+
     def __init__(self, resources: RdmaResources, staging_bytes: int, *,
                  owns_resources: bool = False) -> None:
         self.resources = resources
@@ -71,6 +74,12 @@ class VerbsTransport(Transport):
         resources = RdmaResources(rdma.device, rdma.ip)
         resources.open()
         return cls(resources, staging_bytes, owns_resources=True)
+
+    @classmethod
+    def for_config(cls, config: ServeConfig) -> VerbsTransport:
+        """The session's own device and QP; its staging buffer starts at the size of the
+        layout header, the first thing read."""
+        return cls.open(config.rdma, staging_bytes=HEADER_SIZE)
 
     def offer(self) -> dict[str, Any]:
         return self.start().to_dict()
