@@ -58,13 +58,14 @@ def describe(device: int, info: DeviceInfo) -> str:
 def check_region(region: Region, library: PersistentLibrary, device: int) -> DeviceInfo:
     """Refuse, with the reason and before anything is allocated, a machine this
     transport's region cannot work on: the transport's own needs (an RDMA device) and,
-    for a region in GPU memory, the device's GPUDirect RDMA and its write ordering.
-    Cheap (no allocation): the model peer runs it before its model loads."""
+    for a region in GPU memory, the device's GPUDirect RDMA and its write ordering, and
+    a way to register the memory (dma-buf or nvidia-peermem). Cheap, nothing allocated:
+    the model peer runs it before its model loads."""
     region.check()
     info = library.device_info(device)
-    log.info("%s", describe(device, info))
     if region.gpu_memory:
         registration.check_device(info)
+        registration.check_registrable(info)
     return info
 
 
@@ -115,7 +116,8 @@ class PersistentKernel(PeerKernel, Generic[LibraryT]):
 
     def open(self, layout: Layout, region: Region) -> RegionAddress:
         lib = self.library()
-        check_region(region, lib, self.device)  # refuse before allocating anything
+        info = check_region(region, lib, self.device)  # refuse before allocating anything
+        log.info("%s", describe(self.device, info))
         region_host = None
         self._map = region.kernel_memory(layout.region_size)
         if self._map is not None:  # host memory, which the library maps into the GPU

@@ -1,6 +1,8 @@
 """Registering a GPU-memory region for RDMA, and the preconditions it must meet.
 
-Two ways to let a NIC reach ``cudaMalloc`` memory:
+Either persistent kernel's region (the CUDA peer's, the GPU scheduler's) goes
+the same way, through its library's ``PersistentLibrary`` API. Two ways to let
+a NIC reach ``cudaMalloc`` memory:
 
 * **dma-buf** (preferred, upstream kernels): the CUDA driver exports the
   range as a dma-buf fd (``cuMemGetHandleForAddressRange``), registered with
@@ -17,7 +19,11 @@ written after it, and on a device without that ordering it would need a
 ``cuFlushGPUDirectRDMAWrites`` from the host between the two, which a
 CPU-free design cannot afford. The MR is registered without relaxed
 ordering (``resources._access``), and the region has ``SYNC_MEMOPS`` set
-(``peer_kernel.cu``). docs/protocol.md, "Preconditions", lists them.
+(``cuda_driver.cuh``). docs/protocol.md, "Preconditions", lists them.
+
+``check_device`` and ``check_registrable`` need only the device query: the
+model peer runs them before its model loads, so that a machine where neither
+way exists refuses in seconds, not after minutes of loading.
 """
 
 from __future__ import annotations
@@ -48,6 +54,22 @@ def check_device(info: DeviceInfo) -> None:
             f"{name} does not order GPUDirect RDMA writes for its own threads "
             f"(GPU_DIRECT_RDMA_WRITES_ORDERING = {info.gdr_writes_ordering}, needs >= "
             f"{WRITES_ORDERING_OWNER}): the kernel could see a commit word before the record")
+
+
+def check_registrable(info: DeviceInfo) -> None:
+    """Refuse a machine where GPU memory cannot be registered at all: the device exports
+    no dma-buf (or pyverbs cannot register one) and nvidia-peermem is not loaded.
+    ``register_gpu_region`` may still fail later (an export the driver then refuses);
+    this is what can be known before anything is allocated."""
+    pyverbs_dmabuf = compat.available() and hasattr(compat.module("mr"), "DmaBufMR")
+    if (info.dmabuf_supported and pyverbs_dmabuf) or PEERMEM_MODULE.exists():
+        return
+    name = info.name.decode(errors="replace")
+    dmabuf = (f"{name} exports no dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0)"
+              if not info.dmabuf_supported else "this pyverbs cannot register a dma-buf "
+              "(no DmaBufMR: an older rdma-core)")
+    raise StartupError(f"cannot register GPU memory for RDMA: {dmabuf}; and the nvidia_peermem "
+                       "module is not loaded (modprobe nvidia_peermem)")
 
 
 def register_gpu_region(lib: PersistentLibrary, handle: int, resources: RdmaResources,

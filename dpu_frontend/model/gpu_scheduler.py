@@ -10,7 +10,9 @@ requests from the ring, batches them (the same algorithm as
 ``model/scheduler.py``, in ``sched_core.h``), launches each step's graphs
 itself (device graph launch), publishes the records and retires what ended;
 the host answers the control plane only (attach and detach through the
-mailbox, stats), as the CUDA peer's launcher does (``gpu/launcher.py``).
+mailbox, stats), as the CUDA peer's launcher does: both are a
+``gpu.persistent.PersistentKernel``, with the same region (the shm file, or
+under verbs GPU memory registered for the NIC).
 
 The variants exist because the host path skips sampler stages a batch does
 not need; a captured graph cannot. Each stage leaves a row with neutral
@@ -23,17 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.persistent import PersistentKernel
-from dpu_frontend.gpu.runtime import build, default_build_dir
-from dpu_frontend.model.device import SCHEDULER
 from dpu_frontend.model.device.sched_core import (
     ERRORS,
     MAX_EOS,
@@ -146,13 +144,9 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
 
     what = "the GPU scheduler"
 
-    def __init__(self, peer: PeerConfig, runner: ModelRunner, eos: tuple[int, ...], *,
-                 max_batched_tokens: int, library: Path | None = None,
-                 build_dir: Path | None = None, heartbeat_us: float = 100.0,
+    def __init__(self, runner: ModelRunner, eos: tuple[int, ...], library: SchedulerLibrary, *,
+                 max_batched_tokens: int, heartbeat_us: float = 100.0,
                  idle_us: float = 2.0) -> None:
-        if peer.transport != "shm":
-            raise StartupError("--scheduler gpu serves the shm transport on this release; the "
-                               "verbs transport (a GPU-memory region) runs --scheduler host")
         if runner.graphs is None:
             raise StartupError("--scheduler gpu launches captured steps: drop --no-cuda-graphs")
         if len(eos) > MAX_EOS:
@@ -162,12 +156,10 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
             raise StartupError(f"--max-batched-tokens {max_batched_tokens} is more than the largest "
                                f"captured step ({largest} tokens)")
         super().__init__(runner.options.device)
-        self.peer = peer
+        self._given = library
         self.runner = runner
         self.eos = eos
         self.max_batched_tokens = max_batched_tokens
-        self.library_path = library
-        self.build_dir = build_dir
         self.heartbeat_ns = int(heartbeat_us * 1000)
         self.idle_ns = int(idle_us * 1000)
         self.samplers = SamplerGraphs(runner)
@@ -179,12 +171,7 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
         self.samplers.capture(graphs.graphs, graphs.pool)
 
     def _load_library(self) -> SchedulerLibrary:
-        path = self.library_path
-        if path is None:
-            major, minor = torch.cuda.get_device_capability(self.runner.device)
-            path = build(self.build_dir or default_build_dir(), SCHEDULER,
-                         arch=f"sm_{major}{minor}")
-        return SchedulerLibrary.load(path)
+        return self._given  # loaded before the model (model/peer.py: scheduler_library)
 
     def _params(self, layout: Layout, region_host: int | None) -> ModelParams:
         if not self.samplers.graphs:

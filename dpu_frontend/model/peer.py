@@ -8,6 +8,10 @@ drew a token, are written by the GPU (``--records gpu``, the default: the
 record writer kernel behind the sampler, ``dpu_frontend.model.publish``) or
 by this loop (``--records host``, the baseline). The daemon in front of it
 is unchanged.
+
+``--scheduler gpu`` (``model/gpu_scheduler.py``) checks, before the model loads,
+everything its region needs that can refuse: the scheduler's library, and under
+verbs an RDMA device, the GPU's GPUDirect RDMA and a way to register its memory.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from typing import Any
 from dpu_frontend import __version__
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.persistent import check_region
+from dpu_frontend.gpu.runtime import build, default_build_dir
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.device import RECORDS, SCHEDULER
+from dpu_frontend.model.device.sched_core import SchedulerLibrary
 from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.model.gpu_scheduler import GpuSchedulerKernel, sampler_reserve
 from dpu_frontend.model.options import ModelPeerOptions
@@ -28,6 +36,7 @@ from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.source import EngineHub, ModelSource, RecordsFactory, RingSource
 from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel, SequenceSource
+from dpu_frontend.peer.region import region_for
 from dpu_frontend.peer.server import PeerServer, serve_peer
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.memory import AtomicMemory
@@ -51,14 +60,16 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     if vocab.tokenizer.get_vocab_size() > config.vocab_size:
         raise StartupError(f"the tokenizer has {vocab.tokenizer.get_vocab_size()} ids, the model "
                          f"{config.vocab_size}")
+    # Before the model: the load takes minutes at deployable sizes, a refusal seconds.
+    library = scheduler_library(peer, options) if options.scheduler == "gpu" else None
     runner = ModelRunner(config, replace(options.runner,
                                          vocab_limit=vocab.tokenizer.get_vocab_size()))
     eos = tuple(dict.fromkeys(config.eos_token_ids + vocab.eos_token_ids))
     model: dict[str, Any] = {"eos_token_ids": list(eos), "mode": "model",
                              "scheduler": options.scheduler,
                              "peer": f"dpu-frontend-model-peer {__version__}"}
-    if options.scheduler == "gpu":
-        return await serve_peer(PeerServer(peer, gpu_kernel(peer, options, runner, eos), model))
+    if library is not None:
+        return await serve_peer(PeerServer(peer, gpu_kernel(options, runner, eos, library), model))
     runner.load()  # weights, KV cache, graphs: before the ready line
     engine = ModelEngine(config, runner, options.engine)
     gpu_records = options.records == "gpu"
@@ -75,15 +86,36 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     return await serve_peer(PeerServer(peer, kernel, model))
 
 
-def gpu_kernel(peer: PeerConfig, options: ModelPeerOptions, runner: ModelRunner,
-               eos: tuple[int, ...]) -> PeerKernel:
-    """``--scheduler gpu``: the model loaded with its graphs kept for device launch,
-    the sampler graphs captured, the scheduler library built: all before the ready
-    line, so that any of them failing fails the start."""
+def cuda_arch(device: int) -> str:
+    """What nvcc builds for: the device's compute capability (``sm_90``)."""
+    import torch  # the model peer's stack; imported where a build needs it
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def scheduler_library(peer: PeerConfig, options: ModelPeerOptions) -> SchedulerLibrary:
+    """``--scheduler gpu``, before the model loads: the scheduler's library (built now with
+    nvcc unless ``--scheduler-library``), and what the transport's region needs of this
+    machine (``gpu.persistent.check_region``): under verbs an RDMA device, the GPU's
+    GPUDirect RDMA with ordered writes, and dma-buf or nvidia-peermem to register its
+    memory. Each missing piece refuses the start here, with the reason."""
+    device = options.runner.device
+    path = options.scheduler_library or build(default_build_dir(), SCHEDULER,
+                                              arch=cuda_arch(device))
+    library = SchedulerLibrary.load(path)
+    check_region(region_for(peer), library, device)
+    return library
+
+
+def gpu_kernel(options: ModelPeerOptions, runner: ModelRunner, eos: tuple[int, ...],
+               library: SchedulerLibrary) -> PeerKernel:
+    """``--scheduler gpu``: the model loaded with its graphs kept for device launch and
+    the sampler graphs captured, before the ready line, so that either failing fails
+    the start."""
     runner.load(keep_graphs=True, reserve=sampler_reserve(runner))
-    kernel = GpuSchedulerKernel(peer, runner, eos,
-                                max_batched_tokens=options.engine.max_batched_tokens,
-                                library=options.scheduler_library)
+    kernel = GpuSchedulerKernel(runner, eos, library,
+                                max_batched_tokens=options.engine.max_batched_tokens)
     kernel.capture()
     log.info("model peer: %d layers, hidden %d, %s, weights %s, scheduler on the GPU",
              runner.config.num_layers, runner.config.hidden_size, options.runner.dtype,
@@ -94,15 +126,9 @@ def gpu_kernel(peer: PeerConfig, options: ModelPeerOptions, runner: ModelRunner,
 def records_factory(options: ModelPeerOptions, engine: ModelEngine) -> RecordsFactory:
     """The GPU's record writer on the peer's region, built now (nvcc) unless
     prebuilt, so that a missing toolkit fails before the ready line."""
-    import torch
-
-    from dpu_frontend.gpu.runtime import build, default_build_dir
-    from dpu_frontend.model.device import RECORDS
-
     device = options.runner.device
-    major, minor = torch.cuda.get_device_capability(device)
     library = options.records_library or build(default_build_dir(), RECORDS,
-                                               arch=f"sm_{major}{minor}")
+                                               arch=cuda_arch(device))
     slots = engine.runner.options.max_seqs
 
     def make(memory: AtomicMemory, layout: Layout) -> RingRecords:

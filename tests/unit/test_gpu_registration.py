@@ -178,6 +178,32 @@ def test_a_peermem_registration_that_fails_says_both_reasons(
         registration.register_gpu_region(bound(library, None), HANDLE, RdmaResources(), 4096)
 
 
+@pytest.mark.parametrize(("dmabuf", "pyverbs_dmabuf", "peermem", "refusal"), [
+    (1, True, False, None),
+    (0, True, True, None),
+    (1, False, True, None),
+    (0, True, False, r"H100 80GB HBM3 exports no dma-buf .* nvidia_peermem module is not loaded"),
+    (1, False, False, r"this pyverbs cannot register a dma-buf .* nvidia_peermem module is not"),
+])
+def test_a_machine_that_cannot_register_gpu_memory_is_refused_before_any_allocation(
+        dmabuf: int, pyverbs_dmabuf: bool, peermem: bool, refusal: str | None,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """From the device query alone (the model peer asks before its model loads)."""
+    class Mr:
+        pass
+
+    if pyverbs_dmabuf:
+        Mr.DmaBufMR = object  # type: ignore[attr-defined]
+    monkeypatch.setattr(compat, "available", lambda: True)
+    monkeypatch.setattr(compat, "module", lambda name: Mr)
+    monkeypatch.setattr(registration, "PEERMEM_MODULE", tmp_path if peermem else tmp_path / "no")
+    if refusal is None:
+        registration.check_registrable(device(dmabuf_supported=dmabuf))
+    else:
+        with pytest.raises(StartupError, match=refusal):
+            registration.check_registrable(device(dmabuf_supported=dmabuf))
+
+
 def test_the_build_is_nvcc_for_the_configured_arch(tmp_path: Path) -> None:
     command = build_command("/opt/cuda/bin/nvcc", "sm_90", tmp_path / "lib.so", PEER_SOURCES)
     assert command[:4] == ["/opt/cuda/bin/nvcc", "-O3", "-std=c++17", "-arch=sm_90"]

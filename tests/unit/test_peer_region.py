@@ -3,6 +3,7 @@ kernel gets, what the welcome says, and the refusals that come before anything s
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ async def test_shm_waits_out_a_poll_under_way_at_a_sessions_end(
     async def sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr(region_mod.asyncio, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the module the provider calls
     region = ShmRegion(Path("/unused"))
     await region.unlink(region.link(None))
     assert slept == [region_mod.SHM_DETACH_GRACE_S]

@@ -26,7 +26,9 @@
  *     sleeping idle_ns between polls, and never relaunches.
  *   - the heartbeat kernel (ring_device.cuh), one warp on its own stream.
  * The host launches both once; afterwards it only posts mailbox commands
- * and reads the mirrored counters.
+ * and reads the mirrored counters. The ring region is the shm transport's
+ * mapping, or GPU memory for a NIC (verbs): cuda_driver.cuh's, as the CUDA
+ * peer's.
  *
  * Build (device graph launch needs the device runtime):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -rdc=true -Xcompiler -fPIC -shared \
@@ -672,7 +674,7 @@ struct dpuf_model {
     int device;
     sched_args args; /* host copy, pushed to d_args at launch */
     sched_args *d_args;
-    dpuf_region region; /* the shm mapping (cuda_driver.cuh) */
+    dpuf_region region; /* the shm mapping, or GPU memory for a NIC (cuda_driver.cuh) */
     uint32_t channel_count;
     dpuf_sched_config config;
     void *mbx_host; /* kernel block + mailboxes, pinned and mapped */
@@ -709,7 +711,8 @@ static void model_release(dpuf_model *m) {
 }
 
 static bool validate(const dpuf_model_params *p) {
-    if (p == NULL || p->region_host == NULL || p->channels == NULL) return set_error("no region or channel table"), false;
+    if (p == NULL || p->channels == NULL) return set_error("no channel table"), false;
+    if (p->region_size == 0) return set_error("region_size is 0"), false;
     if (p->channel_count == 0 || p->channel_count > DPUF_SCHED_MAX_CHANNELS)
         return set_error("channel_count %u is not in [1, %u]", p->channel_count, DPUF_SCHED_MAX_CHANNELS), false;
     if (p->eos_count > DPUF_MODEL_MAX_EOS) return set_error("more than %u EOS ids", DPUF_MODEL_MAX_EOS), false;
@@ -873,6 +876,7 @@ int dpuf_model_add_graph(dpuf_model *m, int32_t tokens, int32_t seqs, int32_t ti
 
 int dpuf_model_write_region(dpuf_model *m, uint64_t offset, const void *data, uint64_t n) {
     if (m == NULL || (data == NULL && n != 0)) return set_error("model or data is NULL"), -1;
+    DPUF_CHECK(cudaSetDevice(m->device));
     return region_write(&m->region, offset, data, n);
 }
 

@@ -9,8 +9,10 @@
  * hands them and the runner's buffers over, launches the scheduler once, and
  * from then on only answers the control plane (mailbox, stats).
  *
- * Life: dpuf_model_create -> dpuf_model_add_graph (each captured step, with
- * its sampler variants) -> dpuf_model_write_region -> dpuf_model_launch ->
+ * Life: dpuf_model_device_info_get (before the model loads: GPUDirect RDMA)
+ * -> dpuf_model_create -> dpuf_model_add_graph (each captured step, with
+ * its sampler variants) -> dpuf_model_write_region -> (a GPU region: its
+ * dma-buf or device address, registered for RDMA) -> dpuf_model_launch ->
  * mailbox commands -> dpuf_model_stop -> dpuf_model_destroy. Every function
  * returns 0 (or a pointer) on success and -1 (NULL) on failure, with the
  * reason in dpuf_model_last_error(). The Python side mirrors the structures
@@ -40,8 +42,11 @@ extern "C" {
 #define DPUF_SAMPLER_LOGPROBS 3u /* FULL and the log probabilities (DPUF_MAX_TOP_LOGPROBS wide) */
 
 typedef struct dpuf_model_params {
-    /* The region: the shm transport's mapping, registered here
-     * (cudaHostRegister, mapped). */
+    /* The region. region_host != NULL: host memory (the shm transport's
+     * mapping), registered here with cudaHostRegister(Mapped|Portable).
+     * region_host == NULL: allocated here in GPU memory (whole 2 MiB pages,
+     * SYNC_MEMOPS set) for a NIC to register: dpuf_model_dmabuf_fd, or
+     * dpuf_model_region_device_ptr with nvidia-peermem. */
     void *region_host;                  /*   0 */
     uint64_t region_size;               /*   8 */
     const dpuf_channel_desc *channels;  /*  16 host copy of the layout's table */
