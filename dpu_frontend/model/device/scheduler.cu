@@ -132,10 +132,11 @@ struct sched_smem {
     uint32_t action, arg_epoch, verdict, stop, bad_ids, go;
     int entry;
     int duplicate;
-    int32_t graph, variant, tokens, tiles, samples;
+    int32_t graph, variant;
     uint64_t t;     /* thread 0's clock of the phase timers */
     uint64_t ph[PH_COUNT]; /* this pass's phases so far */
-    int32_t row[SCHED_MAX_SEQS], tile[SCHED_MAX_SEQS], sample[SCHED_MAX_SEQS];
+    dpuf_sched_span total;             /* the step's tokens, tiles and samples */
+    dpuf_sched_span at[SCHED_MAX_SEQS]; /* where each work's rows, tiles and sample row start */
 };
 
 __device__ __forceinline__ dpuf_dpu_ctrl *dpu_of(const sched_args &a, uint32_t c) {
@@ -286,7 +287,7 @@ __device__ void fill_entry(const sched_args &a, int32_t e, uint32_t c, const uin
     en->top_k = top_k > 0 && (uint64_t)top_k < a.vocab_rows ? top_k : 0;
     en->seed = (flags & DPUF_FLAG_HAS_SEED) ? req_u64(wd, REQ_SEED)
                                             : fresh_seed(global_timer_ns() ^ (a.ctl->seeds++ << 32) ^ en->request_id);
-    en->penalized = en->f[3] != 0.0f || en->f[4] != 0.0f || en->f[5] != 1.0f;
+    en->penalized = DPUF_ROW_PENALIZED(en->f[3], en->f[4], en->f[5]);
 }
 
 /* Take in every committed record of attached channel c, all threads. */
@@ -420,7 +421,7 @@ __device__ void load_admitted(const sched_args &a) {
 }
 
 /* All threads: the sampler's rows and the writer's, row k for the k-th sampling
- * work (fill_inputs counted them); padding rows up to the graph's draw nothing
+ * work (the step's layout, sm.at); padding rows up to the graph's draw nothing
  * that counts (slot max_seqs is the token buffer's padding row). Returns the
  * sampler variant, the same in every thread. */
 __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_smem &sm) {
@@ -440,7 +441,7 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
         const dpuf_sched_work w = works[i];
         if (!w.sample) continue;
-        const int32_t k = sm.sample[i];
+        const int32_t k = sm.at[i].sample;
         const dpuf_sched_seq q = seqs[w.seq];
         const entry_info *en = entries + w.seq;
         const int32_t total = q.prompt_len + q.generated; /* before this step's token */
@@ -453,13 +454,13 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
         rows[2 * k] = q.slot;
         rows[2 * k + 1] = total + 1;
         row_entry[k] = w.seq;
-        greedy &= en->f[0] < 1e-5f;
+        greedy &= DPUF_ROW_GREEDY(en->f[0]);
         penalty |= en->penalized != 0;
-        cut |= en->top_k != 0 || en->f[1] < 1.0f || en->f[2] > 0.0f;
+        cut |= DPUF_ROW_CUT(en->top_k, en->f[1], en->f[2]);
         logprobs |= (en->flags & DPUF_WRITER_LOGPROBS) != 0;
     }
     const float neutral[6] = {0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 1.0f};
-    for (int32_t r = sm.samples + threadIdx.x; r < padded; r += blockDim.x) {
+    for (int32_t r = sm.total.sample + threadIdx.x; r < padded; r += blockDim.x) {
         row_slot[r] = pad_slot;
         row_pos[r] = 0;
         for (int j = 0; j < 6; j++) row_floats[j * stride + r] = neutral[j];
@@ -469,52 +470,26 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     penalty = __syncthreads_or(penalty);
     cut = __syncthreads_or(cut);
     logprobs = __syncthreads_or(logprobs);
-    if (logprobs) return DPUF_SAMPLER_LOGPROBS;
-    if (penalty || cut) return DPUF_SAMPLER_FULL;
-    return greedy ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN;
+    return DPUF_SAMPLER_VARIANT(greedy, penalty, cut, logprobs);
 }
 
-/* All threads: the step ran (it will have, by the time anyone reads them):
- * each work's KV is in the cache, each sampling sequence has one more token.
- * A sequence appears in one work at most, so the works go to threads freely
- * (dpuf_sched_commit's effect, spread). */
+/* All threads: the step ran (it will have, by the time anyone reads them).
+ * sched_core's per-work commit, the works strided over the threads. */
 __device__ void commit(const sched_args &a) {
     dpuf_sched *s = a.s;
     const int32_t n = s->n_works;
-    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const dpuf_sched_work w = s->works[i];
-        dpuf_sched_seq *q = s->seqs + w.seq;
-        if (q->status != DPUF_SEQ_RUNNING) continue;
-        q->computed = w.start + w.count;
-        q->generated += w.sample;
-    }
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dpuf_sched_commit_work(s, i);
     __syncthreads();
 }
 
-/* All threads: graph g's static inputs, the works spread over the threads. */
-__device__ void fill_inputs(const sched_args &a, int32_t g, sched_smem &sm) {
+/* All threads: graph g's static inputs, sched_core's per-work fill strided over
+ * the threads, from the step's layout (sm.at, counted at the schedule). */
+__device__ void fill_inputs(const sched_args &a, int32_t g, const sched_smem &sm) {
     const dpuf_sched *s = a.s;
-    if (threadIdx.x == 0) {
-        int32_t row = 0, tile = 0, sample = 0;
-        const int32_t p = s->c.per_tile;
-        for (int32_t i = 0; i < s->n_works; i++) {
-            sm.row[i] = row;
-            sm.tile[i] = tile;
-            sm.sample[i] = sample;
-            row += s->works[i].count;
-            tile += (s->works[i].count + p - 1) / p;
-            sample += s->works[i].sample;
-        }
-        sm.tokens = row;
-        sm.tiles = tile;
-        sm.samples = sample;
-    }
-    __syncthreads();
     const dpuf_sched_graph *gr = s->graphs + g;
     const dpuf_sched_fields f = dpuf_sched_fields_of(s, gr);
-    for (int32_t i = threadIdx.x; i < s->n_works; i += blockDim.x)
-        dpuf_sched_fill_work(s, &f, i, sm.row[i], sm.tile[i], gr->samples < 0 ? -1 : sm.sample[i]);
-    dpuf_sched_fill_padding(s, gr, &f, sm.tokens, sm.tiles, sm.samples, (int32_t)threadIdx.x, (int32_t)blockDim.x);
+    for (int32_t i = threadIdx.x; i < s->n_works; i += blockDim.x) dpuf_sched_fill_work(s, gr, &f, i, sm.at[i]);
+    dpuf_sched_fill_padding(s, gr, &f, sm.total, (int32_t)threadIdx.x, (int32_t)blockDim.x);
     __syncthreads();
 }
 
@@ -598,7 +573,8 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                 for (uint32_t c = 0; c < a.channel_count; c++)
                     if (s->held >> c & 1u) a.chan[c].counters[CNT_RING_FULL]++;
             }
-            sm.graph = s->n_works ? dpuf_sched_graph_for(s) : -1;
+            sm.total = dpuf_sched_layout(s, sm.at);
+            sm.graph = s->n_works ? dpuf_sched_graph_for(s, sm.total) : -1;
             if (s->n_works && sm.graph < 0) a.stats->error = DPUF_MODEL_ERR_NO_GRAPH;
         }
         lap(sm, PH_SCHEDULE);
@@ -626,11 +602,11 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         const int32_t v = build_rows(a, g, sm);
         commit(a);
         if (threadIdx.x == 0) {
-            a.ctl->n_rows = (uint32_t)sm.samples;
+            a.ctl->n_rows = (uint32_t)sm.total.sample;
             dpuf_model_stats *st = a.stats;
             st->steps++;
-            st->tokens += (uint64_t)sm.tokens;
-            st->sampled += (uint64_t)sm.samples;
+            st->tokens += (uint64_t)sm.total.row;
+            st->sampled += (uint64_t)sm.total.sample;
             st->admitted += (uint64_t)s->n_admitted;
             st->variants[v]++;
             mirror(a);
