@@ -41,10 +41,10 @@ from dpu_frontend.model.device.sched_core import (
     SchedConfig,
 )
 from dpu_frontend.model.graphs import StepGraph
-from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.layers.attention import ATTN_ROWS
+from dpu_frontend.model.layers.sampler import BatchParams
 from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.runner import ModelRunner
-from dpu_frontend.model.sampler import BatchParams
 from dpu_frontend.model.sampling import VARIANTS
 from dpu_frontend.peer.kernel import PeerKernel, RegionAddress
 from dpu_frontend.ring import Layout

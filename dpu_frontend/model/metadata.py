@@ -19,7 +19,7 @@ from dpu_frontend.ring.records import SamplingParams
 @dataclass(slots=True)
 class StepInputs:
     """One step's metadata on the host: what the forward and the logits need. Its
-    fields named as ``qwen3.Attention``'s are those tensors' host arrays (the runner
+    fields named as ``layers.attention.Attention``'s are those tensors' host arrays (the runner
     and the graphs build an ``Attention`` from them by name)."""
 
     slots: np.ndarray  # [T] int64: each token's row in the token buffer

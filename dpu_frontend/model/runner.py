@@ -18,15 +18,17 @@ import numpy as np
 import torch
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.model import registry
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.graphs import StepGraphs
-from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
+from dpu_frontend.model.layers.sampler import Drawn, Sampler, SlotTokens, batch_params, to_device
 from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
+from dpu_frontend.model.models.base import Decoder
 from dpu_frontend.model.options import RunnerOptions
-from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
-from dpu_frontend.model.sampler import Drawn, Sampler, SlotTokens, batch_params, to_device
 from dpu_frontend.model.scheduler import Batch, Sequence
+from dpu_frontend.model.weights import Params
 
 log = logging.getLogger("dpu_frontend.model")
 
@@ -47,19 +49,19 @@ class ModelRunner:
         ``reserve``: bytes more to leave free of the KV cache (its sampler graphs)."""
         c, o = self.config, self.options
         torch.cuda.set_device(self.device)
+        table = registry.spec(c.architecture).weights
         if o.weights is None:
-            weights = Weights.random(c, self.dtype, self.device, o.weight_seed)
+            params = Params.random(table, c, self.dtype, self.device, o.weight_seed)
         else:
             with Checkpoint.scan(o.weights, c) as checkpoint:
-                weights = Weights.load(checkpoint, c, self.dtype, self.device)
+                params = Params.load(table, checkpoint, c, self.dtype, self.device)
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
         # One block more than the pool hands out: the scratch block where the padding
         # rows of a decode graph write their K and V.
         shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
-        k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        rotary = RotaryTable(c, o.max_model_len, self.dtype, self.device)
-        self.model = Qwen3(c, weights, k_cache, v_cache, rotary)
+        cache = KvCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.model: Decoder = registry.decoder_class(c.architecture)(c, params, cache, o.max_model_len)
         self.sampler = Sampler(c.vocab_size, o.vocab_limit, self.device)
         self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
         # One row more than the slots: the GPU scheduler's padding rows draw into it.
@@ -77,8 +79,14 @@ class ModelRunner:
                                        scratch_slot=self.num_blocks * o.block_size,
                                        keep_graphs=keep_graphs)
             self.graphs.capture()
-        log.info("model loaded: %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)", c.num_layers,
-                 o.dtype, self.num_blocks, o.block_size, 2 * k_cache.numel() * k_cache.element_size() / 2**30)
+        log.info("model loaded: %s, %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)",
+                 c.architecture, c.num_layers, o.dtype, self.num_blocks, o.block_size,
+                 2 * cache.k.numel() * cache.k.element_size() / 2**30)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF's names (the tests hand them to ``transformers``)."""
+        table = registry.spec(self.config.architecture).weights
+        return self.model.params.state_dict(table, self.config)
 
     def _blocks_that_fit(self, extra: int) -> int:
         c, o = self.config, self.options

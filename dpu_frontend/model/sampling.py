@@ -1,6 +1,6 @@
 """How a token is drawn from logits: the specification, and a NumPy reference.
 
-The engine samples on the GPU (``dpu_frontend.model.sampler``); this module is
+The engine samples on the GPU (``dpu_frontend.model.layers.sampler``); this module is
 the same algorithm written plainly, which the GPU sampler is tested against
 and which CI checks on its own. One row (one sequence, one step):
 
