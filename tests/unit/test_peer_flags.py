@@ -14,16 +14,18 @@ from typing import Any
 import pytest
 
 from dpu_frontend import cli
-from dpu_frontend.cli import build_parser, peer_config
-from dpu_frontend.config import LoggingConfig, PeerConfig, RdmaConfig
-from dpu_frontend.gpu.launcher import GPU_GEOMETRY, GpuPeerConfig, gpu_peer_config
-from dpu_frontend.gpu.runtime import default_build_dir
-from dpu_frontend.model.options import (
-    EngineOptions,
-    ModelPeerOptions,
-    RunnerOptions,
-    model_peer_options,
+from dpu_frontend.cli import (
+    MODEL_OPTIONS,
+    MODEL_PEER,
+    PEER,
+    PEER_LOGGING,
+    build_parser,
+    gpu_peer_flags,
 )
+from dpu_frontend.config import LoggingConfig, PeerConfig, RdmaConfig
+from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
+from dpu_frontend.gpu.runtime import default_build_dir
+from dpu_frontend.model.options import EngineOptions, ModelPeerOptions, RunnerOptions
 from dpu_frontend.ring import Geometry
 
 SWITCH = "switch"  # a flag without a value
@@ -86,13 +88,12 @@ def subcommand(command: str) -> argparse.ArgumentParser:
 def configs(*argv: str) -> tuple[object, ...]:
     """What the CLI builds from ``argv``: the command's configs, and the logging settings."""
     args = build_parser().parse_args(list(argv))
-    logging_config = LoggingConfig(level=args.log_level)
-    peer = peer_config(args)
+    logging_config = PEER_LOGGING.build(args)
     if args.command == "gpu-peer":
-        return gpu_peer_config(args, peer), logging_config
+        return gpu_peer_flags().build(args), logging_config
     if args.command == "model-peer":
-        return peer, model_peer_options(args), logging_config
-    return peer, logging_config
+        return MODEL_PEER.build(args), MODEL_OPTIONS.build(args), logging_config
+    return PEER.build(args), logging_config
 
 
 DEFAULTS: dict[str, tuple[object, ...]] = {
