@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from dpu_frontend.cli import (
     gpu_peer_flags,
 )
 from dpu_frontend.config import LoggingConfig, PeerConfig, RdmaConfig
+from dpu_frontend.flags import doc, flag_name
 from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
 from dpu_frontend.gpu.runtime import default_build_dir
 from dpu_frontend.model.options import EngineOptions, ModelPeerOptions, RunnerOptions
@@ -225,3 +226,61 @@ def test_a_bad_value_exits_2_with_the_fields_message(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "usage: dpu-frontend" in err and message in err
+
+
+#: The option dataclasses, the prefix of their flags, and the commands that take them.
+OPTION_CLASSES: list[tuple[type, str, tuple[str, ...]]] = [
+    (PeerConfig, "", ("peer", "gpu-peer", "model-peer")),
+    (RdmaConfig, "rdma_", ("peer", "gpu-peer", "model-peer")),
+    (Geometry, "", ("peer", "gpu-peer", "model-peer")),
+    (LoggingConfig, "log_", ("peer", "gpu-peer", "model-peer")),
+    (GpuPeerConfig, "", ("gpu-peer",)),
+    (RunnerOptions, "", ("model-peer",)), (EngineOptions, "", ("model-peer",)),
+    (ModelPeerOptions, "", ("model-peer",)),
+]
+#: Fields with a Doc that a command has no flag for: the peers log text (the daemon's
+#: --log-format); the reference peer's pace is its own, and the CUDA kernel has no host
+#: loop and no distribution for log probabilities.
+NOT_FLAGS = {
+    "peer": {"log_format"},
+    "gpu-peer": {"log_format", "tokens_per_s", "step_s", "batch", "tick_s", "heartbeat_s",
+                 "logprobs"},
+    "model-peer": {"log_format", "tokens_per_s", "step_s", "batch"},
+}
+
+
+@pytest.mark.parametrize(("cls", "prefix", "commands"), OPTION_CLASSES,
+                         ids=[c[0].__name__ for c in OPTION_CLASSES])
+def test_each_field_with_a_doc_is_a_flag(cls: type, prefix: str,
+                                         commands: tuple[str, ...]) -> None:
+    documented = {}
+    for config_field in fields(cls):
+        try:
+            documented[prefix + config_field.name] = doc(config_field)
+        except TypeError:  # not a setting: a nested config (its fields are), or set by the peer
+            continue
+    assert documented, cls
+    for command in commands:
+        taken = {s for a in subcommand(command)._actions for s in a.option_strings}
+        for key, found in documented.items():
+            assert (flag_name(key, found) in taken) == (key not in NOT_FLAGS[command]), \
+                (command, key)
+
+
+@pytest.mark.parametrize("command", FLAGS)
+def test_each_flag_has_help_that_shows_its_default(command: str) -> None:
+    """The per-geometry defaults included: gpu-peer's are GPU_GEOMETRY's."""
+    for action in subcommand(command)._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        default, _ = FLAGS[command][flag]
+        assert action.help and len(action.help) > 12, flag
+        if flag.startswith("--no-"):
+            continue  # the flag is the change from the default
+        if default is None:
+            assert "(default: " in action.help, flag
+        elif isinstance(default, bool):
+            assert action.help.endswith(f"(default {'on' if default else 'off'})"), flag
+        else:
+            assert action.help.endswith(f"(default {default})"), flag

@@ -27,6 +27,7 @@ from dpu_frontend.config import (
 from dpu_frontend.flags import doc
 from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
 from dpu_frontend.logs import JsonFormatter, RequestIdFilter, request_id
+from dpu_frontend.model.options import EngineOptions, ModelPeerOptions
 from dpu_frontend.ring import Geometry
 from dpu_frontend.settings import PARSERS, SETTINGS, build
 
@@ -194,7 +195,8 @@ def test_peer_flags_default_to_the_peer_config() -> None:
 
 def test_defaults_are_written_once() -> None:
     """No default of a config field is copied, as a literal, into the CLI or the loader."""
-    defaults = {f.default for cls in (ServeConfig, RdmaConfig, LoggingConfig, PeerConfig)
+    defaults = {f.default for cls in (ServeConfig, RdmaConfig, LoggingConfig, PeerConfig,
+                                      Geometry, GpuPeerConfig, EngineOptions, ModelPeerOptions)
                 for f in fields(cls) if isinstance(f.default, int | float | str)}
     defaults |= {DEFAULT_PEER.host, DEFAULT_PEER.port}
     # Small integers are everywhere (exit codes, indices): too common to tell.
