@@ -275,9 +275,8 @@ class PeerConfig:
     tick_s: float = field(default=0.001, metadata=about(
         "period of the host loop, seconds: the reference peer's engine step, the model "
         "peer's poll while idle", metavar="SECONDS"))
-    # GPU-like decode steps (the reference peer): every ``step_s`` each running sequence
-    # gets one token, at most ``batch`` run at once (0: no limit); 0: off, the pace is
-    # ``tokens_per_s``.
+    # Seconds, as every duration of the configs; milliseconds on the command line, where
+    # a GPU's decode step is counted.
     step_s: float = field(default=0.0, metadata=about(
         "GPU-like decode steps: every MS milliseconds each running sequence gets one token "
         "(a burst of one-token records); replaces --tokens-per-s; 0: off", flag="--step-ms",
