@@ -9,7 +9,7 @@ import pytest
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
-from dpu_frontend.gpu.launcher import GpuPeerConfig
+from dpu_frontend.gpu.options import GpuPeerConfig
 from dpu_frontend.gpu.runtime import PEER_SOURCES, DeviceInfo, Library, build_command, find_nvcc
 from dpu_frontend.transport.verbs.resources import RdmaResources
 

@@ -21,7 +21,7 @@ PACKAGE = Path(dpu_frontend.__file__).parent
 
 #: Lowest first. Same rank: neither may import the other.
 RANKS: dict[str, int] = {
-    "__init__": 0, "errors": 0,
+    "__init__": 0, "errors": 0, "flags": 0,
     "ring": 1,
     "config": 2, "metrics": 2, "logs": 2, "sdnotify": 2, "lifecycle": 2, "private": 2,
     "control": 3, "text": 3, "transport": 3, "settings": 3,
