@@ -13,18 +13,14 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-import torch
 
 from dpu_frontend.control.stats import peer_report
-from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
-from dpu_frontend.model.options import EngineOptions, RunnerOptions
-from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.ring.records import SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -43,18 +39,8 @@ WIDE = ("--scheduler", "gpu", "--max-seqs", "256", "--max-model-len", "1024", "-
         "2048", "--weight-seed", str(SEED), *RING)
 
 
-@pytest.fixture(scope="module")
-def offline() -> Iterator[ModelEngine]:
-    """The host-driven engine on the same weights: what every answer must equal."""
-    config = ModelConfig.default()
-    vocab = Vocabulary.load(default_tokenizer_dir())
-    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=128, max_seqs=16,
-                                               max_model_len=512,
-                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
-    runner.load()
-    yield ModelEngine(config, runner, EngineOptions())
-    del runner
-    torch.cuda.empty_cache()
+#: The host-driven engine's sizes (conftest's ``offline``, on the same weights).
+OFFLINE = {"num_blocks": 128, "max_seqs": 16, "max_model_len": 512}
 
 
 async def report(stack: Stack) -> dict[str, Any]:
@@ -133,7 +119,8 @@ async def test_a_thousand_concurrent_streams() -> None:
           f"{kernel['steps']} steps, {kernel['sampled']} tokens drawn")
 
 
-async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
+async def test_launcher_killed_and_restarted_gives_a_new_epoch(
+        healthy: Callable[[Stack], Awaitable[None]]) -> None:
     """kill -9 of the launcher while the scheduler runs: the daemon ends the open
     stream with an error and refuses the waiting request; the restarted launcher
     (the GPU usable again) serves a new epoch."""
@@ -142,12 +129,8 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
         first = (await report(stack))["channels"][0]
         await check_peer_killed_mid_stream(stack, max_tokens=400)
         stack.peers[0].restart()
+        await healthy(stack)
         async with aiohttp.ClientSession() as session:
-            for _ in range(6000):
-                async with session.get(f"{stack.base_url}/health") as health:
-                    if health.status == 200:
-                        break
-                await asyncio.sleep(0.1)
             second = (await report(stack))["channels"][0]
             assert second["attached"] and second["epoch"] != first["epoch"]
             answer = await complete(session, stack, {"prompt": "After the restart",
