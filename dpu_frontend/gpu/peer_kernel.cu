@@ -395,7 +395,7 @@ __device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm
         __syncthreads();
         uint32_t verdict = sm->action;
         if (verdict == V_NONE) break; /* not committed yet: the walk ends */
-        const uint64_t request_id = sm->words[4] | ((uint64_t)sm->words[5] << 32);
+        const uint64_t request_id = req_u64(sm->words, REQ_ID);
 
         /* Scan the table together: a duplicate id and a FREE entry for a
          * GENERATE, the ACTIVE target of a CANCEL. */
@@ -418,8 +418,8 @@ __device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm
         if (verdict == V_GENERATE && (sm->duplicate || entry == INT_MAX)) verdict = V_BAD;
 
         if (verdict == V_GENERATE) {
-            const uint64_t arena_off = sm->words[6] | ((uint64_t)sm->words[7] << 32);
-            const uint32_t prompt_len = sm->words[8];
+            const uint64_t arena_off = req_u64(sm->words, REQ_ARENA);
+            const uint32_t prompt_len = sm->words[REQ_PROMPT_LEN];
             copy_prompt((const uint32_t *)(a.region + d->arena_offset + arena_off),
                         st->prompt_pool + (uint64_t)entry * st->pool_stride, prompt_len);
             __syncthreads(); /* the copy is complete before req_consumed can move */
@@ -434,21 +434,21 @@ __device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm
             }
             if (verdict == V_GENERATE) {
                 seq_entry *en = st->table + entry;
-                const bool has_seed = (wd[3] & DPUF_FLAG_HAS_SEED) != 0;
-                en->flags = wd[3];
+                const bool has_seed = (wd[REQ_FLAGS] & DPUF_FLAG_HAS_SEED) != 0;
+                en->flags = wd[REQ_FLAGS];
                 en->request_id = request_id;
-                en->prompt_len = wd[8];
-                en->max_tokens = wd[9];
-                en->seed = has_seed ? (wd[14] | ((uint64_t)wd[15] << 32)) : 0;
-                en->n_stop = wd[19];
-                for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[20 + i];
+                en->prompt_len = wd[REQ_PROMPT_LEN];
+                en->max_tokens = wd[REQ_MAX_TOKENS];
+                en->seed = has_seed ? req_u64(wd, REQ_SEED) : 0;
+                en->n_stop = wd[REQ_N_STOP];
+                for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[REQ_STOP + i];
                 en->emitted = 0;
                 en->cursor = 0; /* echo starts at the first prompt token */
                 /* The replay start is hashed by the owning warp in the next
                  * phase: an FNV pass over a 32K-token prompt is serial work
                  * that would hold up every channel's intake here. */
                 en->start_pending = a.mode == DPUF_MODE_REPLAY;
-                en->prefill_pending = a.prefill_ns_per_token != 0 && wd[8] != 0;
+                en->prefill_pending = a.prefill_ns_per_token != 0 && wd[REQ_PROMPT_LEN] != 0;
                 en->has_pending = 0;
                 en->state = SEQ_ACTIVE;
                 atomicAdd(&st->counters[CNT_ADMITTED], 1ull);

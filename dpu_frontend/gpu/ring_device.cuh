@@ -45,7 +45,9 @@ __device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpu
 enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
 enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
 
-/* Request record words (dpuf_request_record as 32 u32 words, protocol 4). */
+/* Request record words: dpuf_request (protocol 5.1) as 32 u32 words, read
+ * by read_request. Every reader names them; the asserts after the list hold
+ * each name to its field's offset. */
 __device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w[i] | ((uint64_t)w[i + 1] << 32); }
 #define REQ_KIND 2
 #define REQ_FLAGS 3
@@ -65,6 +67,27 @@ __device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w
 #define REQ_STOP 20
 #define REQ_EPOCH 28
 #define REQ_LOGPROBS 29
+#define DPUF_REQ_WORD(name, field) \
+    static_assert(offsetof(dpuf_request, field) == 4 * (name), #name " is not dpuf_request." #field)
+DPUF_REQ_WORD(REQ_KIND, kind);
+DPUF_REQ_WORD(REQ_FLAGS, flags);
+DPUF_REQ_WORD(REQ_ID, request_id);
+DPUF_REQ_WORD(REQ_ARENA, arena_offset);
+DPUF_REQ_WORD(REQ_PROMPT_LEN, prompt_len);
+DPUF_REQ_WORD(REQ_MAX_TOKENS, max_tokens);
+DPUF_REQ_WORD(REQ_TEMPERATURE, temperature);
+DPUF_REQ_WORD(REQ_TOP_P, top_p);
+DPUF_REQ_WORD(REQ_TOP_K, top_k);
+DPUF_REQ_WORD(REQ_MIN_P, min_p);
+DPUF_REQ_WORD(REQ_SEED, seed);
+DPUF_REQ_WORD(REQ_PRESENCE, presence_penalty);
+DPUF_REQ_WORD(REQ_FREQUENCY, frequency_penalty);
+DPUF_REQ_WORD(REQ_REPETITION, repetition_penalty);
+DPUF_REQ_WORD(REQ_N_STOP, n_stop_token_ids);
+DPUF_REQ_WORD(REQ_STOP, stop_token_ids);
+DPUF_REQ_WORD(REQ_EPOCH, epoch);
+DPUF_REQ_WORD(REQ_LOGPROBS, top_logprobs);
+#undef DPUF_REQ_WORD
 
 /* One thread: read and check record `seq` of channel `d` into words[0..31];
  * V_NONE while it is not committed. */
