@@ -139,13 +139,9 @@ struct seq_entry {
     uint32_t pending_finish;  /* its DPUF_FINISH_* */
 };
 
-/* The 8 mailbox counters, kept in GPU memory (atomicAdd works there; it must
- * never be used on the mapped host memory of the mailbox). */
-enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL,
-       CNT_COUNT };
-
-/* Everything the kernel keeps per channel, in GPU memory. */
-struct chan_state {
+/* Everything the kernel keeps per channel, in GPU memory: the ring's state
+ * (ring_device.cuh: next request, mailbox ack, epoch, counters), then its own. */
+struct chan_state : ring_channel {
     seq_entry *table;            /* max_sequences entries */
     uint32_t *prompt_pool;       /* max_sequences spans of pool_stride tokens */
     uint32_t *pending;           /* max_sequences spans of tokens_per_step tokens */
@@ -153,12 +149,7 @@ struct chan_state {
     uint64_t pool_stride;        /* max_prompt_tokens rounded up to 32 (128 bytes) */
     unsigned long long reserved; /* response positions handed out (atomicCAS) */
     uint64_t produced;           /* contiguous published prefix = gpu_ctrl.resp_produced */
-    uint64_t next_req_seq;       /* next request record expected (1-based) */
     uint64_t resp_consumed_snapshot;
-    uint64_t acked;              /* last mailbox command_seq acknowledged */
-    uint32_t epoch;              /* of the current attachment (0: never attached) */
-    uint32_t attached;
-    unsigned long long counters[CNT_COUNT];
 };
 
 /* Grid-wide flags of the engine loop (GPU memory). */
@@ -299,101 +290,53 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
 /* Intake: mailbox commands and request records (block 0, all threads)      */
 /* ======================================================================== */
 
-/* Block 0's scratch: thread 0 reads a record or a command, the block acts on
- * it together. Every value is written by thread 0, read by all after a
- * __syncthreads, and not rewritten before the next __syncthreads. */
-struct intake_smem {
-    uint32_t words[32];     /* the request record (words 0-1: commit) */
-    uint64_t command_seq;
-    uint32_t action;        /* M_* or V_* */
-    uint32_t arg_epoch;
-    int entry;              /* a FREE entry (GENERATE) or the target (CANCEL); INT_MAX: none */
-    int duplicate;          /* a non-FREE entry has this request_id */
-};
+/* The peer's side of a mailbox command (ring_device.cuh: mailbox_command).
+ * Block 0 runs it between the grid barriers, while every other warp is parked
+ * at the barrier: no step is publishing for this channel while its rings and
+ * table are cleared. That is THE reason the engine is a step loop with grid
+ * barriers. */
+struct peer_mailbox {
+    const dpuf_channel_desc *d;
+    chan_state *st;
 
-/* Reset the channel for a new attachment. Block 0 runs it between the grid
- * barriers, while every other warp is parked at the barrier: no step is
- * publishing for this channel while its rings and table are cleared. That
- * is THE reason the engine is a step loop with grid barriers. */
-__device__ void reset_channel(const engine_args &a, uint32_t c, uint32_t new_epoch) {
-    const dpuf_channel_desc *d = a.channels + c;
-    chan_state *st = a.state + c;
-    for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
-        st->table[e].state = SEQ_FREE; /* no record is published for them */
-        st->table[e].has_pending = 0;
-    }
-    reset_rings(a.region, d);
-    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) st->shadow[s] = 0;
-    if (threadIdx.x == 0) {
-        st->reserved = 0;
-        st->produced = 0;
-        st->next_req_seq = 1;
-        st->resp_consumed_snapshot = 0;
-    }
-    /* Every thread's zeroes reach the system before the new epoch does: a
-     * DPU that sees the epoch sees clean rings and counters. */
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        st->epoch = new_epoch;
-        st->attached = 1;
-        dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->epoch, new_epoch);
-    }
-}
-
-/* Run the channel's pending mailbox command, if any (block 0). */
-__device__ void run_mailbox(const engine_args &a, uint32_t c, intake_smem *sm) {
-    chan_state *st = a.state + c;
-    dpuf_mailbox *mb = a.mailboxes + c;
-    if (threadIdx.x == 0) {
-        uint64_t cs = 0;
-        uint32_t arg_epoch = 0;
-        sm->action = mailbox_take(mb, st->acked, st->epoch, &cs, &arg_epoch);
-        sm->command_seq = cs;
-        sm->arg_epoch = arg_epoch;
-    }
-    __syncthreads();
-    const uint32_t action = sm->action;
-    const uint32_t arg_epoch = sm->arg_epoch;
-    const uint64_t cs = sm->command_seq;
-    __syncthreads();
-    if (action == M_NONE) return;
-
-    if (action == M_ATTACH) reset_channel(a, c, arg_epoch);
-    if (action == M_DETACH) {
-        for (uint32_t e = threadIdx.x; e < a.channels[c].max_sequences; e += blockDim.x) {
-            st->table[e].state = SEQ_FREE;
+    __device__ void drop() const {
+        for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
+            st->table[e].state = SEQ_FREE; /* no record is published for them */
             st->table[e].has_pending = 0;
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (action == M_DETACH) st->attached = 0;
-        st->acked = cs;
-        mailbox_ack(mb, cs, action);
+    /* Response positions start over at 0. */
+    __device__ void reset(uint32_t) const {
+        for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) st->shadow[s] = 0;
+        if (threadIdx.x == 0) {
+            st->reserved = 0;
+            st->produced = 0;
+            st->resp_consumed_snapshot = 0;
+        }
     }
-}
+};
 
-/* Thread 0: read and check record seq; V_NONE while it is not committed. */
-__device__ uint32_t read_record(const engine_args &a, uint32_t c, uint64_t seq, intake_smem *sm) {
-    return read_request(a.region, a.channels + c, a.state[c].epoch, seq, sm->words);
+/* Run the channel's pending mailbox command, if any (block 0). */
+__device__ void run_mailbox(const engine_args &a, uint32_t c, ring_smem *sm) {
+    const peer_mailbox k = {a.channels + c, a.state + c};
+    mailbox_command(a.region, k.d, a.mailboxes + c, k.st, *sm, k);
 }
 
 /* Take in every committed record of one attached channel (block 0). Returns
  * whether anything was consumed (the same value in every thread). */
-__device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm) {
+__device__ bool intake_channel(const engine_args &a, uint32_t c, ring_smem *sm) {
     const dpuf_channel_desc *d = a.channels + c;
     chan_state *st = a.state + c;
     const uint64_t first = st->next_req_seq;
     uint64_t seq = first; /* every thread keeps the same copy */
     for (;;) {
         if (threadIdx.x == 0) {
-            sm->action = read_record(a, c, seq, sm);
+            sm->verdict = read_request(a.region, d, st->epoch, seq, sm->words);
             sm->entry = INT_MAX;
             sm->duplicate = 0;
         }
         __syncthreads();
-        uint32_t verdict = sm->action;
+        uint32_t verdict = sm->verdict;
         if (verdict == V_NONE) break; /* not committed yet: the walk ends */
         const uint64_t request_id = req_u64(sm->words, REQ_ID);
 
@@ -647,7 +590,7 @@ __device__ void finish_step(const engine_args &a) {
 
 __global__ void __launch_bounds__(ENGINE_THREADS, 1) engine_kernel(const __grid_constant__ engine_args a) {
     cg::grid_group grid = cg::this_grid();
-    __shared__ intake_smem sm;
+    __shared__ ring_smem sm;
     const bool leader = blockIdx.x == 0;
     uint64_t steps = 0, step_start = 0;
     bool took = false; /* block 0: some record was consumed this step */

@@ -3,6 +3,11 @@
  * kernel shares: the CUDA peer (peer_kernel.cu) and the model's scheduler
  * (scheduler.cu). Request records in, rings reset at an attachment, mailbox
  * commands, the heartbeat. docs/protocol.md says the bytes and the orders.
+ *
+ * Where the kernels differ (their sequence tables, what a record or a command
+ * does to them), a shared walk takes the kernel's side as a small object
+ * whose members it calls: a template, so every call is inlined, with no
+ * function pointer and no cost at run time.
  */
 #ifndef DPUF_RING_DEVICE_CUH
 #define DPUF_RING_DEVICE_CUH
@@ -10,6 +15,7 @@
 #include "ring_protocol.h"
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdint.h>
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
@@ -44,6 +50,36 @@ __device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpu
 /* A request record's verdict, and a mailbox command's action. */
 enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
 enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
+
+/* The mailbox's 8 counters, in its order (dpuf_mailbox.records onwards). */
+enum : uint32_t { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED,
+                  CNT_RING_FULL, CNT_COUNT };
+
+/* What every kernel keeps of a channel's ring, in GPU memory: the fields the
+ * intake walk and the mailbox commands below read and write. A kernel's own
+ * per-channel state derives from it (struct chan_state : ring_channel). */
+struct ring_channel {
+    uint64_t next_req_seq; /* the next request record expected (1-based) */
+    uint64_t acked;        /* the last mailbox command_seq acknowledged */
+    uint32_t epoch;        /* of the current attachment (0: never attached) */
+    uint32_t attached;
+    /* GPU memory: atomics work here, and must never be used on the mapped
+     * host memory of the mailbox, which gets plain stores of these. */
+    unsigned long long counters[CNT_COUNT];
+};
+
+/* The block's scratch for a request record or a mailbox command: thread 0
+ * writes it, the block reads it past a barrier, and nothing is rewritten
+ * before the next barrier. */
+struct ring_smem {
+    uint32_t words[32]; /* the request record (REQ_*); words 0-1, the commit word, are not copied */
+    uint64_t command_seq;
+    uint32_t action; /* M_* */
+    uint32_t arg_epoch;
+    uint32_t verdict; /* V_* */
+    int entry;        /* the scan's lowest match (a free entry, a cancel's target); INT_MAX: none */
+    int duplicate;    /* a live sequence has the GENERATE's request_id */
+};
 
 /* Request record words: dpuf_request (protocol 5.1) as 32 u32 words, read
  * by read_request. Every reader names them; the asserts after the list hold
@@ -197,6 +233,51 @@ __device__ void mailbox_ack(dpuf_mailbox *mb, uint64_t command_seq, uint32_t act
     store_vol_u32(&mb->error, error);
     /* Release: state and error are visible before the host sees the ack. */
     dpuf_store_release_sys(&mb->ack_seq, command_seq);
+}
+
+/*
+ * Run channel d's pending mailbox command, if any, all threads of the block,
+ * between two engine steps: nothing of the kernel may publish into the
+ * channel meanwhile. An ATTACH refused (M_BAD_EPOCH) or unknown is only
+ * acknowledged. `k` is the kernel's side, two members every thread calls:
+ *   void drop()                 every sequence of the channel ends without a
+ *                               record (ATTACH: the ring it would publish
+ *                               into is zeroed; DETACH: it is let go);
+ *   void reset(uint32_t epoch)  an ATTACH: the kernel's own state of the
+ *                               channel starts over, after the rings are
+ *                               zeroed and before the fence.
+ */
+template <class Kernel>
+__device__ void mailbox_command(uint8_t *region, const dpuf_channel_desc *d, dpuf_mailbox *mb, ring_channel *st,
+                                ring_smem &sm, const Kernel &k) {
+    if (threadIdx.x == 0) sm.action = mailbox_take(mb, st->acked, st->epoch, &sm.command_seq, &sm.arg_epoch);
+    __syncthreads();
+    const uint32_t action = sm.action, epoch = sm.arg_epoch;
+    const uint64_t cs = sm.command_seq;
+    __syncthreads(); /* read by all before thread 0 takes the next command */
+    if (action == M_NONE) return;
+    if (action == M_ATTACH || action == M_DETACH) k.drop();
+    if (action == M_ATTACH) {
+        reset_rings(region, d);
+        k.reset(epoch);
+        if (threadIdx.x == 0) st->next_req_seq = 1;
+        /* Every thread's zeroes reach the system before the new epoch does: a
+         * DPU that sees the epoch sees clean rings and counters. */
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            st->epoch = epoch;
+            st->attached = 1;
+            dpuf_store_release_sys(&gpu_ctrl_of(region, d)->epoch, epoch);
+        }
+    }
+    __syncthreads(); /* the block's drop and reset are done before the ack */
+    if (threadIdx.x == 0) {
+        if (action == M_DETACH) st->attached = 0;
+        st->acked = cs;
+        mailbox_ack(mb, cs, action);
+    }
+    __syncthreads();
 }
 
 struct heartbeat_args {

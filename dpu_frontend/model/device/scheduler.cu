@@ -45,8 +45,6 @@
 
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
-#define N_COUNTERS 8                 /* the mailbox's, in its order */
-enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL };
 
 /* What the scheduler keeps of a request beside sched_core's sequence. */
 struct entry_info {
@@ -63,13 +61,10 @@ struct entry_info {
     uint32_t pad;
 };
 
-struct chan_state {
-    uint64_t next_req_seq; /* the next request record expected (1-based) */
-    uint64_t acked;        /* the last mailbox command_seq acknowledged */
-    uint64_t finals;       /* finals queued for the next publish */
-    uint32_t epoch;
-    uint32_t attached;
-    unsigned long long counters[N_COUNTERS];
+/* The ring's state of a channel (ring_device.cuh: next request, mailbox ack,
+ * epoch, the mailbox's counters), then the scheduler's own. */
+struct chan_state : ring_channel {
+    uint64_t finals; /* finals queued for the next publish */
 };
 
 struct sched_ctl {
@@ -127,9 +122,9 @@ enum { PH_PUBLISH, PH_INTAKE, PH_SCHEDULE, PH_COUNT };
 
 /* The block's scratch: thread 0 decides, everyone reads after a barrier. */
 struct sched_smem {
+    ring_smem ring; /* a mailbox command's */
     uint32_t words[32];
-    uint64_t command_seq;
-    uint32_t action, arg_epoch, verdict, stop, bad_ids, go;
+    uint32_t verdict, stop, bad_ids, go;
     int entry;
     int duplicate;
     int32_t graph, variant, tokens, tiles, samples;
@@ -224,39 +219,24 @@ __device__ void drop_channel(const sched_args &a, uint32_t c) {
     __syncthreads();
 }
 
-__device__ void run_mailbox(const sched_args &a, uint32_t c, sched_smem &sm) {
-    chan_state *st = a.chan + c;
-    if (threadIdx.x == 0) sm.action = mailbox_take(a.mailboxes + c, st->acked, st->epoch, &sm.command_seq, &sm.arg_epoch);
-    __syncthreads();
-    const uint32_t action = sm.action, epoch = sm.arg_epoch;
-    const uint64_t cs = sm.command_seq;
-    __syncthreads();
-    if (action == M_NONE) return;
-    if (action == M_ATTACH || action == M_DETACH) drop_channel(a, c);
-    if (action == M_ATTACH) {
-        reset_rings(a.region, a.channels + c);
+/* The scheduler's side of a mailbox command (ring_device.cuh: mailbox_command). */
+struct sched_mailbox {
+    const sched_args &a;
+    uint32_t c;
+
+    __device__ void drop() const { drop_channel(a, c); }
+    __device__ void reset(uint32_t epoch) const {
         if (threadIdx.x == 0) {
-            st->next_req_seq = 1;
-            st->finals = 0;
+            a.chan[c].finals = 0;
             /* The ring restarts at position 0; the counters run on. */
             a.wstate[c].reserved = 0;
             a.wstate[c].epoch = epoch;
         }
-        /* Every zero reaches the system before the new epoch does. */
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            st->epoch = epoch;
-            st->attached = 1;
-            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->epoch, epoch);
-        }
     }
-    if (threadIdx.x == 0) {
-        if (action == M_DETACH) st->attached = 0;
-        st->acked = cs;
-        mailbox_ack(a.mailboxes + c, cs, action);
-    }
-    __syncthreads();
+};
+
+__device__ void run_mailbox(const sched_args &a, uint32_t c, sched_smem &sm) {
+    mailbox_command(a.region, a.channels + c, a.mailboxes + c, a.chan + c, sm.ring, sched_mailbox{a, c});
 }
 
 /* ---- C. intake ------------------------------------------------------------- */
