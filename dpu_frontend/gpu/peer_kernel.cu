@@ -322,98 +322,66 @@ __device__ void run_mailbox(const engine_args &a, uint32_t c, ring_smem *sm) {
     mailbox_command(a.region, k.d, a.mailboxes + c, k.st, *sm, k);
 }
 
-/* Take in every committed record of one attached channel (block 0). Returns
+/* The peer's side of the intake walk (ring_device.cuh: intake_walk): its
+ * table of max_sequences entries and its prompt pool. */
+struct peer_intake {
+    const engine_args &a;
+    const dpuf_channel_desc *d;
+    chan_state *st;
+
+    __device__ uint32_t judge(uint32_t verdict, const uint32_t *) const { return verdict; }
+    __device__ int32_t entries() const { return (int32_t)d->max_sequences; }
+    __device__ uint32_t look(int32_t e, uint64_t request_id) const {
+        const seq_entry *en = st->table + e;
+        const uint32_t state = en->state;
+        if (state == SEQ_FREE) return LOOK_FREE;
+        if (en->request_id != request_id) return 0u;
+        /* A CANCELLED sequence holds its id until its final record is out,
+         * but there is nothing left for a second cancel to stop. */
+        return state == SEQ_ACTIVE ? LOOK_SAME_ID | LOOK_TARGET : LOOK_SAME_ID;
+    }
+    /* The lowest FREE entry (INTAKE_NO_ROOM: none). */
+    __device__ int32_t place(const uint32_t *, int32_t free_entry) const { return free_entry; }
+    __device__ uint32_t *prompt(int32_t e) const { return st->prompt_pool + (uint64_t)e * st->pool_stride; }
+    __device__ bool generate(int32_t e, const uint32_t *wd) const {
+        if (threadIdx.x != 0) return false;
+        seq_entry *en = st->table + e;
+        const bool has_seed = (wd[REQ_FLAGS] & DPUF_FLAG_HAS_SEED) != 0;
+        en->flags = wd[REQ_FLAGS];
+        en->request_id = req_u64(wd, REQ_ID);
+        en->prompt_len = wd[REQ_PROMPT_LEN];
+        en->max_tokens = wd[REQ_MAX_TOKENS];
+        en->seed = has_seed ? req_u64(wd, REQ_SEED) : 0;
+        en->n_stop = wd[REQ_N_STOP];
+        for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[REQ_STOP + i];
+        en->emitted = 0;
+        en->cursor = 0; /* echo starts at the first prompt token */
+        /* The replay start is hashed by the owning warp in the next phase: a
+         * CRC-32 pass over a 32K-token prompt is serial work that would hold
+         * up every channel's intake here. */
+        en->start_pending = a.mode == DPUF_MODE_REPLAY;
+        en->prefill_pending = a.prefill_ns_per_token != 0 && wd[REQ_PROMPT_LEN] != 0;
+        en->has_pending = 0;
+        en->state = SEQ_ACTIVE;
+        return true;
+    }
+    /* Its owning warp publishes the final record in the next phase. */
+    __device__ void cancel(int32_t e, const uint32_t *) const {
+        st->table[e].state = SEQ_CANCELLED;
+        st->counters[CNT_CANCELLED]++;
+    }
+};
+
+/* Take in every committed record of one attached channel (block 0): the peer
+ * drains the ring at once (protocol 5.1, the sequence window). Returns
  * whether anything was consumed (the same value in every thread). */
 __device__ bool intake_channel(const engine_args &a, uint32_t c, ring_smem *sm) {
-    const dpuf_channel_desc *d = a.channels + c;
-    chan_state *st = a.state + c;
-    const uint64_t first = st->next_req_seq;
-    uint64_t seq = first; /* every thread keeps the same copy */
-    for (;;) {
-        if (threadIdx.x == 0) {
-            sm->verdict = read_request(a.region, d, st->epoch, seq, sm->words);
-            sm->entry = INT_MAX;
-            sm->duplicate = 0;
-        }
-        __syncthreads();
-        uint32_t verdict = sm->verdict;
-        if (verdict == V_NONE) break; /* not committed yet: the walk ends */
-        const uint64_t request_id = req_u64(sm->words, REQ_ID);
-
-        /* Scan the table together: a duplicate id and a FREE entry for a
-         * GENERATE, the ACTIVE target of a CANCEL. */
-        if (verdict == V_GENERATE || verdict == V_CANCEL) {
-            for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
-                const seq_entry *en = st->table + e;
-                const uint32_t state = en->state;
-                if (verdict == V_GENERATE) {
-                    if (state != SEQ_FREE && en->request_id == request_id) sm->duplicate = 1;
-                    if (state == SEQ_FREE) atomicMin(&sm->entry, (int)e);
-                } else if (state == SEQ_ACTIVE && en->request_id == request_id) {
-                    atomicMin(&sm->entry, (int)e);
-                }
-            }
-        }
-        __syncthreads();
-        const int entry = sm->entry;
-        /* A duplicate id, or no FREE entry (the DPU broke its max_sequences
-         * window): refused like any bad record. */
-        if (verdict == V_GENERATE && (sm->duplicate || entry == INT_MAX)) verdict = V_BAD;
-
-        if (verdict == V_GENERATE) {
-            const uint64_t arena_off = req_u64(sm->words, REQ_ARENA);
-            const uint32_t prompt_len = sm->words[REQ_PROMPT_LEN];
-            copy_prompt((const uint32_t *)(a.region + d->arena_offset + arena_off),
-                        st->prompt_pool + (uint64_t)entry * st->pool_stride, prompt_len);
-            __syncthreads(); /* the copy is complete before req_consumed can move */
-        }
-        if (threadIdx.x == 0) {
-            const uint32_t *wd = sm->words;
-            if (verdict == V_BAD) atomicAdd(&st->counters[CNT_BAD], 1ull);
-            if (verdict == V_CANCEL && entry != INT_MAX) {
-                /* Unknown or finished target: ignored, not bad. */
-                st->table[entry].state = SEQ_CANCELLED;
-                atomicAdd(&st->counters[CNT_CANCELLED], 1ull);
-            }
-            if (verdict == V_GENERATE) {
-                seq_entry *en = st->table + entry;
-                const bool has_seed = (wd[REQ_FLAGS] & DPUF_FLAG_HAS_SEED) != 0;
-                en->flags = wd[REQ_FLAGS];
-                en->request_id = request_id;
-                en->prompt_len = wd[REQ_PROMPT_LEN];
-                en->max_tokens = wd[REQ_MAX_TOKENS];
-                en->seed = has_seed ? req_u64(wd, REQ_SEED) : 0;
-                en->n_stop = wd[REQ_N_STOP];
-                for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[REQ_STOP + i];
-                en->emitted = 0;
-                en->cursor = 0; /* echo starts at the first prompt token */
-                /* The replay start is hashed by the owning warp in the next
-                 * phase: an FNV pass over a 32K-token prompt is serial work
-                 * that would hold up every channel's intake here. */
-                en->start_pending = a.mode == DPUF_MODE_REPLAY;
-                en->prefill_pending = a.prefill_ns_per_token != 0 && wd[REQ_PROMPT_LEN] != 0;
-                en->has_pending = 0;
-                en->state = SEQ_ACTIVE;
-                atomicAdd(&st->counters[CNT_ADMITTED], 1ull);
-            }
-            atomicAdd(&st->counters[CNT_RECORDS], 1ull);
-        }
-        seq++;
-        __syncthreads(); /* sm is rewritten for the next record */
-    }
-    __syncthreads();
-    const bool consumed = seq != first;
+    const peer_intake k = {a, a.channels + c, a.state + c};
+    const bool consumed = intake_walk(a.region, k.d, k.st, UINT64_MAX, *sm, k);
     if (threadIdx.x == 0) {
-        if (consumed) {
-            st->next_req_seq = seq;
-            /* Prompt copied out before req_consumed moves: the DPU reuses
-             * the slots and arena spans it covers as soon as it sees it. */
-            __threadfence_system();
-            dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->req_consumed, seq - 1);
-        }
         /* The DPU's read index, once per step: the publish phase reserves
          * positions against this snapshot (acquire: written by a NIC/CPU). */
-        st->resp_consumed_snapshot = dpuf_load_acquire_sys(&dpu_ctrl_of(a.region, d)->resp_consumed);
+        k.st->resp_consumed_snapshot = dpuf_load_acquire_sys(&dpu_ctrl_of(a.region, k.d)->resp_consumed);
     }
     return consumed;
 }

@@ -188,6 +188,117 @@ __device__ void copy_prompt(const uint32_t *src, uint32_t *dst, uint32_t len) {
     for (uint32_t i = n4 * 4u + threadIdx.x; i < len; i += nt) dst[i] = dpuf_load_fresh_u32(src + i);
 }
 
+/* The scan's view of one entry of a kernel's sequence table (LOOK_* bits). */
+enum : uint32_t {
+    LOOK_FREE = 1u,    /* a GENERATE may take it */
+    LOOK_SAME_ID = 2u, /* a live sequence of the channel with the record's request_id: a GENERATE is a duplicate */
+    LOOK_TARGET = 4u,  /* ... that a CANCEL of that id stops */
+};
+/* Where a GENERATE goes, besides an entry (>= 0). */
+#define INTAKE_NO_ROOM INT_MAX /* no entry for it: a bad record (the DPU broke its max_sequences window) */
+#define INTAKE_REFUSED (-1)    /* not a bad record, but its prompt is not copied: the kernel answers it */
+
+/*
+ * The intake walk: take in the committed request records of attached channel
+ * d, in order, at most max_records of them, all threads of the block
+ * together. Returns whether it took any (the same in every thread).
+ *
+ * Shared here: the commit's acquire and the body's fresh loads
+ * (read_request), the block-wide scan of the kernel's sequence table (a
+ * GENERATE's duplicate id and a free entry, a CANCEL's target), the prompt
+ * copy, the counters, and req_consumed released once, after every copy.
+ * The kernel's side is `k`; thread-0 members run on thread 0 only, block
+ * members on every thread with the same arguments (they may __syncthreads):
+ *
+ *   uint32_t judge(uint32_t verdict, const uint32_t *words)    thread 0
+ *       a committed record as the kernel sees it: V_NONE leaves it and the
+ *       rest for a later walk, V_BAD refuses it, or the verdict as it is.
+ *   int32_t entries()                                           block
+ *       the size of the sequence table.
+ *   uint32_t look(int32_t e, uint64_t request_id)               block
+ *       entry e as LOOK_* bits.
+ *   int32_t place(const uint32_t *words, int32_t free_entry)    block
+ *       a GENERATE with no duplicate: the entry its prompt goes to, or
+ *       INTAKE_NO_ROOM, INTAKE_REFUSED. free_entry is the lowest entry the
+ *       scan found LOOK_FREE, INTAKE_NO_ROOM if none.
+ *   uint32_t *prompt(int32_t entry)                              block
+ *       where that entry's prompt goes: 16-byte aligned, room for the whole
+ *       128-byte chunks of max_prompt_tokens.
+ *   bool generate(int32_t entry, const uint32_t *words)         block
+ *       the GENERATE placed at entry (INTAKE_REFUSED: not copied), its
+ *       prompt copied; thread 0's result: admitted (counted).
+ *   void cancel(int32_t target, const uint32_t *words)          thread 0
+ *       a CANCEL whose target is live (an unknown or finished one is
+ *       ignored, not bad).
+ */
+template <class Kernel>
+__device__ bool intake_walk(uint8_t *region, const dpuf_channel_desc *d, ring_channel *st, uint64_t max_records,
+                            ring_smem &sm, const Kernel &k) {
+    const uint64_t first = st->next_req_seq;
+    uint64_t seq = first; /* every thread keeps the same copy */
+    while (seq - first < max_records) {
+        if (threadIdx.x == 0) {
+            uint32_t verdict = read_request(region, d, st->epoch, seq, sm.words);
+            if (verdict != V_NONE) verdict = k.judge(verdict, sm.words);
+            sm.verdict = verdict;
+            sm.entry = INT_MAX;
+            sm.duplicate = 0;
+        }
+        __syncthreads();
+        uint32_t verdict = sm.verdict;
+        if (verdict == V_NONE) break; /* not committed yet, or left for later: the walk ends */
+        const uint64_t request_id = req_u64(sm.words, REQ_ID);
+
+        /* Scan the table together. */
+        if (verdict == V_GENERATE || verdict == V_CANCEL) {
+            const int32_t n = k.entries();
+            for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+                const uint32_t look = k.look(e, request_id);
+                if (verdict == V_GENERATE) {
+                    if (look & LOOK_SAME_ID) sm.duplicate = 1;
+                    if (look & LOOK_FREE) atomicMin(&sm.entry, e);
+                } else if (look & LOOK_TARGET) {
+                    atomicMin(&sm.entry, e);
+                }
+            }
+        }
+        __syncthreads();
+        int32_t entry = sm.entry;
+        /* A duplicate id, or no entry: refused like any bad record. */
+        if (verdict == V_GENERATE && sm.duplicate) verdict = V_BAD;
+        if (verdict == V_GENERATE) {
+            entry = k.place(sm.words, entry);
+            if (entry == INTAKE_NO_ROOM) verdict = V_BAD;
+        }
+        if (verdict == V_GENERATE && entry >= 0) {
+            copy_prompt((const uint32_t *)(region + d->arena_offset + req_u64(sm.words, REQ_ARENA)), k.prompt(entry),
+                        sm.words[REQ_PROMPT_LEN]);
+            __syncthreads(); /* the copy is complete before req_consumed can move */
+        }
+        const bool admitted = verdict == V_GENERATE && k.generate(entry, sm.words);
+        if (threadIdx.x == 0) {
+            /* Plain increments: thread 0 of this block is their only writer. */
+            if (verdict == V_BAD) st->counters[CNT_BAD]++;
+            if (verdict == V_CANCEL && entry != INT_MAX) k.cancel(entry, sm.words); /* else ignored, not bad */
+            if (admitted) st->counters[CNT_ADMITTED]++;
+            st->counters[CNT_RECORDS]++;
+        }
+        seq++;
+        __syncthreads(); /* sm is rewritten for the next record */
+    }
+    const bool took = seq != first;
+    if (threadIdx.x == 0 && took) {
+        st->next_req_seq = seq;
+        /* Every prompt is copied out (each copy ended at a barrier) before
+         * req_consumed moves: the DPU reuses the slots and arena spans it
+         * covers as soon as it sees it. Fence, then release, system scope. */
+        __threadfence_system();
+        dpuf_store_release_sys(&gpu_ctrl_of(region, d)->req_consumed, seq - 1);
+    }
+    __syncthreads();
+    return took;
+}
+
 /* Zero a channel's rings and indices for a new attachment, all threads of
  * the block; nothing may publish into the channel meanwhile. The caller
  * fences (system scope) and syncs before it stores the new epoch. A stale
