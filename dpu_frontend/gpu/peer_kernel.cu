@@ -804,10 +804,7 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     }
 
     /* Mailbox area: the kernel block, then one mailbox per channel. */
-    const size_t mbx_bytes = sizeof(dpuf_kernel_block) + nch * sizeof(dpuf_mailbox);
-    DPUF_CHECK(cudaHostAlloc(&peer->mbx_host, mbx_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-    memset(peer->mbx_host, 0, mbx_bytes);
-    DPUF_CHECK(cudaHostGetDevicePointer(&peer->mbx_dev, peer->mbx_host, 0));
+    DPUF_CHECK(mailbox_area_alloc(nch, &peer->mbx_host, &peer->mbx_dev));
 
     /* Per-channel GPU-local state. */
     for (uint32_t c = 0; c < nch; c++) {

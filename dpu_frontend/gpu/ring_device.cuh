@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <limits.h>
 #include <stdint.h>
+#include <string.h>
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
@@ -425,6 +426,20 @@ __global__ void heartbeat_kernel(const heartbeat_args a) {
         next += a.heartbeat_ns;
         if (next <= now) next = now + a.heartbeat_ns; /* after a stall: no burst of beats */
     }
+}
+
+/* ---- host -------------------------------------------------------------------- */
+
+/* The mailbox area (protocol 7.1): the kernel block, then one mailbox per
+ * channel, zeroed, in pinned host memory mapped into the GPU. *host is the
+ * launcher's address (cudaFreeHost), *dev the kernels'. The first failure is
+ * returned for the caller's check (DPUF_CHECK); *host may be set even then. */
+static inline cudaError_t mailbox_area_alloc(uint32_t channel_count, void **host, void **dev) {
+    const size_t bytes = DPUF_KERNEL_BLOCK_SIZE + (size_t)DPUF_MAILBOX_SIZE * channel_count;
+    const cudaError_t e = cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) return e;
+    memset(*host, 0, bytes);
+    return cudaHostGetDevicePointer(dev, *host, 0);
 }
 
 #endif /* DPUF_RING_DEVICE_CUH */

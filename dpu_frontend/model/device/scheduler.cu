@@ -725,17 +725,14 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
         device_alloc(m, &a->wslots, sizeof(writer_slot) * c->max_seqs) ||
         device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)))
         return -1;
-    const size_t mbx = DPUF_KERNEL_BLOCK_SIZE + (size_t)DPUF_MAILBOX_SIZE * n;
-    DPUF_CHECK(cudaHostAlloc(&m->mbx_host, mbx, cudaHostAllocMapped | cudaHostAllocPortable));
-    memset(m->mbx_host, 0, mbx);
+    DPUF_CHECK(mailbox_area_alloc(n, &m->mbx_host, &dev));
+    a->kblock = (dpuf_kernel_block *)dev;
+    a->mailboxes = (dpuf_mailbox *)((uint8_t *)dev + DPUF_KERNEL_BLOCK_SIZE);
     DPUF_CHECK(cudaHostAlloc((void **)&m->stats_host, sizeof(dpuf_model_stats), cudaHostAllocMapped | cudaHostAllocPortable));
     memset(m->stats_host, 0, sizeof(dpuf_model_stats));
     DPUF_CHECK(cudaHostAlloc((void **)&m->wmirror_host, sizeof(dpuf_writer_channel) * n,
                              cudaHostAllocMapped | cudaHostAllocPortable));
     memset(m->wmirror_host, 0, sizeof(dpuf_writer_channel) * n);
-    DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->mbx_host, 0));
-    a->kblock = (dpuf_kernel_block *)dev;
-    a->mailboxes = (dpuf_mailbox *)((uint8_t *)dev + DPUF_KERNEL_BLOCK_SIZE);
     DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->stats_host, 0));
     a->stats_mirror = (dpuf_model_stats *)dev;
     DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->wmirror_host, 0));
