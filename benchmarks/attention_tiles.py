@@ -27,12 +27,12 @@ import torch
 from benchmarks.common import record
 from benchmarks.linear_tiles import timed
 from benchmarks.model_step import copy_bandwidth
-from dpu_frontend.model import kernels
+from dpu_frontend.model.layers import attention
 
 #: Tile rows, warps, stages, splits, pages per chunk.
 Candidate = tuple[int, int, int, int, int]
-CURRENT: Candidate = (kernels.ATTN_ROWS, kernels.ATTN_WARPS, kernels.ATTN_STAGES,
-                      kernels.ATTN_SPLITS, kernels.ATTN_CHUNK_PAGES)
+CURRENT: Candidate = (attention.ATTN_ROWS, attention.ATTN_WARPS, attention.ATTN_STAGES,
+                      attention.ATTN_SPLITS, attention.ATTN_CHUNK_PAGES)
 CANDIDATES: list[Candidate] = list(dict.fromkeys(
     [(r, w, st, CURRENT[3], CURRENT[4])
      for r, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         bound_us = (sum(contexts) + n) * hkv * dim * 2 * 2 / bandwidth * 1e6
         times: dict[Candidate, float] = {}
         for c in CANDIDATES:
-            run = partial(kernels.paged_attention, q, k_cache, v_cache, *meta, outs[c],
+            run = partial(attention.paged_attention, q, k_cache, v_cache, *meta, outs[c],
                           rows=c[0], warps=c[1], stages=c[2], splits=c[3], chunk_pages=c[4])
             try:
                 run()

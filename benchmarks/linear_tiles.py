@@ -1,7 +1,7 @@
 """Tile configurations of the engine's linear kernel, per weight shape, against the
 bandwidth bound of reading the weight once (GPU time, from CUDA graphs).
 
-The kernel must stay batch-invariant (dpu_frontend/model/kernels.py): a
+The kernel must stay batch-invariant (dpu_frontend/model/layers): a
 configuration is a candidate only when its output is **bit for bit** the
 current configuration's, for every batch size tried, so that changing it
 changes no token of any test. For each Qwen3-0.6B linear shape and batch
@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.common import record
 from benchmarks.model_step import copy_bandwidth
-from dpu_frontend.model import kernels
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.layers import linear
 
 #: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages.
 Tile = tuple[int, int, int, int, int]
@@ -100,15 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn((n, k), generator=gen, device=device).to(torch.bfloat16)
         bound_us = n * k * 2 / bandwidth * 1e6
         rows: dict[str, dict[str, float | bool]] = {}
-        current = kernels.linear_tile(n, k, torch.bfloat16)
+        current = linear.linear_tile(n, k, torch.bfloat16)
         for tile in dict.fromkeys([current, *candidates]):
             key = "x".join(map(str, tile))
             rows[key] = {}
             for m in args.batch:
                 x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
-                base = kernels.linear(x, w, out_dtype)
+                base = linear.linear(x, w, out_dtype)
                 try:
-                    got = kernels.linear(x, w, out_dtype, tile=tile)
+                    got = linear.linear(x, w, out_dtype, tile=tile)
                 except Exception as exc:  # out of resources: not a candidate
                     rows[key]["error"] = True
                     print(f"{name} {key}: {type(exc).__name__}")
@@ -116,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not torch.equal(base, got):
                     rows[key]["exact"] = False
                     break
-                rows[key][str(m)] = timed(partial(kernels.linear, x, w, out_dtype, tile=tile),
+                rows[key][str(m)] = timed(partial(linear.linear, x, w, out_dtype, tile=tile),
                                           args.iters)
             else:
                 rows[key]["exact"] = True
         exact = {key: r for key, r in rows.items() if r.get("exact")}
-        default = "x".join(map(str, kernels.linear_tile(n, k, torch.bfloat16)))
+        default = "x".join(map(str, linear.linear_tile(n, k, torch.bfloat16)))
         best = min(exact, key=lambda key: sum(float(exact[key][str(m)]) / float(
             exact[default][str(m)]) for m in args.batch))
         print(f"{name} [N {n}, K {k}]: bound {bound_us:.1f} us; "

@@ -14,7 +14,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import uvloop
 
@@ -22,36 +21,43 @@ from dpu_frontend import __version__
 from dpu_frontend.config import (
     DEFAULT_PEER,
     DEFAULT_TRANSPORT,
-    PEER_MODES,
     TRANSPORTS,
     LoggingConfig,
     PeerAddress,
     PeerConfig,
-    RdmaConfig,
     ServeConfig,
 )
 from dpu_frontend.errors import DpuFrontendError
-from dpu_frontend.gpu.launcher import GPU_GEOMETRY, add_gpu_arguments, gpu_peer_config
+from dpu_frontend.flags import Flags, help_text
+from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
 from dpu_frontend.logs import configure
-from dpu_frontend.model.options import add_model_arguments, model_peer_options
-from dpu_frontend.ring import Geometry
+from dpu_frontend.model.options import ModelPeerOptions
 from dpu_frontend.settings import DEFAULT_PATH as DEFAULT_CONFIG
-from dpu_frontend.settings import SETTINGS, Setting, build
+from dpu_frontend.settings import SETTINGS, build
 
 log = logging.getLogger("dpu_frontend")
 
+# The peers' flags, derived from the configs each command builds (flags.Flags): a
+# field's flag defaults to the value given here, and a field that is no flag of the
+# command keeps it.
+#: The reference peer's own pace, a rate or GPU-like steps: the model peer's engine
+#: and the CUDA kernel (--step-us) set their own.
+REFERENCE_PACE = frozenset({"tokens_per_s", "step_s", "batch"})
+PEER = Flags(PeerConfig())
+MODEL_PEER = Flags(PeerConfig(), omit=REFERENCE_PACE)
+MODEL_OPTIONS = Flags(ModelPeerOptions())
+#: The peers log text lines, at this level.
+PEER_LOGGING = Flags(LoggingConfig(), omit=frozenset({"format"}), prefix="log_")
 
-def _shown(setting: Setting, default: Any) -> str:
-    """``(default X)`` for a flag's help: the value, or what None means for this setting."""
-    if default is None:
-        return f"(default: {setting.doc.none})"
-    if isinstance(default, tuple):
-        return f"(default {', '.join(map(str, default))})"
-    return f"(default {default})"
 
-
-def _help(text: str) -> str:
-    return text.replace("%", "%%")  # argparse %-formats help texts
+def gpu_peer_flags() -> Flags[GpuPeerConfig]:
+    """``gpu-peer``'s: GPU_GEOMETRY's rings; neither the host loop's pace and clock (the
+    kernel paces itself: --step-us, --heartbeat-us) nor --logprobs (its replay has no
+    distribution to give them of). A function: the build directory's default follows
+    the environment when it is called, as ``GpuPeerConfig()``'s does."""
+    host_loop = {f"peer.{name}" for name in (*REFERENCE_PACE, "tick_s", "heartbeat_s")}
+    return Flags(GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY)),
+                 omit=frozenset({*host_loop, "peer.geometry.logprobs"}))
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:
@@ -62,23 +68,11 @@ def _serve_settings(parser: argparse.ArgumentParser) -> None:
     ``build`` as the environment's are; the help shows the dataclass default.
     """
     for setting in SETTINGS.values():
-        text = f"{setting.doc.help} {_shown(setting, setting.default)} [{setting.key}]"
+        text = help_text(setting.doc, setting.default, f"[{setting.key}]")
         parser.add_argument(setting.flag, dest=setting.key, default=None,
                             action="append" if setting.repeated else "store",
                             choices=setting.doc.choices or None,
-                            help=argparse.SUPPRESS if setting.doc.hidden else _help(text))
-
-
-def _common(parser: argparse.ArgumentParser, peer: PeerConfig) -> None:
-    """The flags a peer shares with ``serve``: the same help, the peer's defaults."""
-    shared = {"transport": peer.transport, "rdma_device": peer.rdma.device,
-              "rdma_ip": peer.rdma.ip, "tokenizer": peer.tokenizer,
-              "log_level": LoggingConfig().level}
-    for key, default in shared.items():
-        setting = SETTINGS[key]
-        parser.add_argument(setting.flag, dest=key, type=setting.parse, default=default,
-                            choices=setting.doc.choices or None,
-                            help=_help(f"{setting.doc.help} {_shown(setting, default)}"))
+                            help=argparse.SUPPRESS if setting.doc.hidden else text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,30 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
         _serve_settings(daemon)
 
     peer = sub.add_parser("peer", help="run the reference GPU peer")
-    _peer_settings(peer, Geometry())
-    defaults = PeerConfig()
-    peer.add_argument("--tokens-per-s", type=float, default=defaults.tokens_per_s,
-                      help="per-sequence generation rate, 0: as fast as the ring takes "
-                           "(default %(default)s)")
-    peer.add_argument("--step-ms", type=float, default=defaults.step_s * 1e3, metavar="MS",
-                      help="GPU-like decode steps: every MS milliseconds each running sequence "
-                           "gets one token (a burst of one-token records); replaces "
-                           "--tokens-per-s; 0: off (default %(default)s)")
-    peer.add_argument("--batch", type=int, default=defaults.batch,
-                      help="with --step-ms: sequences a step decodes at most, over every "
-                           "channel; the rest wait for a slot (default %(default)s: no limit)")
-    _pace(peer, "engine step period")
-
+    PEER.add_to(peer)
     gpu = sub.add_parser("gpu-peer", help="run the CUDA peer: the ring served by a persistent "
                                           "GPU kernel (needs a CUDA GPU and nvcc)")
-    _peer_settings(gpu, GPU_GEOMETRY)
-    add_gpu_arguments(gpu)
-
+    gpu_peer_flags().add_to(gpu)
     model = sub.add_parser("model-peer", help="run the model engine behind the ring, "
                                               "host-driven (needs a CUDA GPU, torch, Triton)")
-    _peer_settings(model, Geometry())
-    _pace(model, "idle poll period")
-    add_model_arguments(model)
+    MODEL_PEER.add_to(model)
+    MODEL_OPTIONS.add_to(model)
+    for command in (peer, gpu, model):
+        PEER_LOGGING.add_to(command)
 
     stats = sub.add_parser("peer-stats", help="print a GPU peer's per-channel counters (JSON)")
     stats.add_argument("--peer", default=str(DEFAULT_PEER), help="HOST:PORT (default %(default)s)")
@@ -150,81 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _pace(parser: argparse.ArgumentParser, tick: str) -> None:
-    """The host-driven peers' clocks: the loop's tick and the heartbeat's period."""
-    defaults = PeerConfig()
-    parser.add_argument("--tick", dest="tick_s", metavar="SECONDS", type=float,
-                        default=defaults.tick_s, help=f"{tick}, seconds (default %(default)s)")
-    parser.add_argument("--heartbeat", dest="heartbeat_s", metavar="SECONDS", type=float,
-                        default=defaults.heartbeat_s,
-                        help="heartbeat period, seconds; keep the daemons' peer_timeout at "
-                             "least 4 times it (default %(default)s)")
-
-
-def _peer_settings(parser: argparse.ArgumentParser, geometry: Geometry) -> None:
-    """What the reference peer and the CUDA peer share: address, region, token source.
-
-    The defaults are ``PeerConfig``'s, and ``geometry``'s for the rings.
-    """
-    defaults = PeerConfig()
-    _common(parser, defaults)
-    add = parser.add_argument
-    add("--host", default=defaults.host, help="control-plane listen address (default %(default)s)")
-    add("--port", type=int, default=defaults.port, help="control-plane port (default %(default)s)")
-    add("--shm-path", type=Path, default=defaults.shm_path,
-        help="the ring region's file, with --transport shm (default %(default)s)")
-    add("--channels", type=int, default=geometry.channels, help="ring pairs (one per daemon worker)")
-    add("--req-slots", type=int, default=geometry.req_slots)
-    add("--arena-bytes", type=int, default=geometry.arena_bytes)
-    add("--resp-slots", type=int, default=geometry.resp_slots,
-        help=f"response slots per channel, >= 2 x --max-sequences (default {geometry.resp_slots})")
-    add("--resp-slot-size", type=int, default=geometry.resp_slot_size,
-        help=f"bytes per response record (default {geometry.resp_slot_size})")
-    if geometry.logprobs:  # a peer whose source has a distribution (not the CUDA replay)
-        add("--logprobs", action=argparse.BooleanOptionalAction, default=True,
-            help="offer log probabilities (needs --resp-slot-size >= 96; default on)")
-    add("--max-sequences", type=int, default=geometry.max_sequences,
-        help=f"sequences a channel runs at once (default {geometry.max_sequences})")
-    add("--max-prompt-tokens", type=int, default=geometry.max_prompt_tokens,
-        help="longest prompt taken, 0: the whole arena (default %(default)s)")
-    add("--mode", choices=PEER_MODES, default=defaults.mode,
-        help="replay a corpus, or echo the prompt (default %(default)s)")
-    add("--tokens-per-step", type=int, default=defaults.tokens_per_step,
-        help="tokens per sequence per engine step, 0: a full record (default %(default)s)")
-    add("--secret-file", type=Path, default=defaults.secret_file,
-        help="the secret shared with the daemons (their peer_secret_file): a hello that "
-             "does not prove it gets no channel, no rkey and no QP; mode 600 "
-             "(default: none, any client on the control port is served)")
-
-
-def _rdma(args: argparse.Namespace) -> RdmaConfig:
-    return RdmaConfig(device=args.rdma_device, ip=args.rdma_ip)
-
-
 def serve_config(args: argparse.Namespace) -> tuple[ServeConfig, LoggingConfig]:
     """The config (file < environment < flags) and the logging settings."""
     flags = {key: getattr(args, key) for key in SETTINGS}
     return build(flags, config_path=args.config, env=os.environ)
-
-
-def peer_config(args: argparse.Namespace) -> PeerConfig:
-    # --tokens-per-s and --tick pace the reference peer only; the CUDA peer
-    # (--step-us) has neither and leaves PeerConfig's defaults, unread.
-    defaults = PeerConfig()
-    return PeerConfig(
-        transport=args.transport, rdma=_rdma(args), host=args.host, port=args.port,
-        shm_path=args.shm_path,
-        geometry=Geometry(channels=args.channels, req_slots=args.req_slots,
-                          arena_bytes=args.arena_bytes, resp_slots=args.resp_slots,
-                          resp_slot_size=args.resp_slot_size, max_sequences=args.max_sequences,
-                          max_prompt_tokens=args.max_prompt_tokens,
-                          logprobs=getattr(args, "logprobs", False)),
-        mode=args.mode, tokens_per_s=getattr(args, "tokens_per_s", defaults.tokens_per_s),
-        tokens_per_step=args.tokens_per_step, tick_s=getattr(args, "tick_s", defaults.tick_s),
-        step_s=getattr(args, "step_ms", 0.0) / 1e3, batch=getattr(args, "batch", defaults.batch),
-        heartbeat_s=getattr(args, "heartbeat_s", defaults.heartbeat_s),
-        tokenizer=args.tokenizer, secret_file=args.secret_file,
-    )
 
 
 def _runner(args: argparse.Namespace, argv: Sequence[str] | None) -> Callable[[], int]:
@@ -260,17 +169,17 @@ def _runner(args: argparse.Namespace, argv: Sequence[str] | None) -> Callable[[]
             return lambda: uvloop.run(supervise(config, command_line))
         from dpu_frontend.daemon import serve
         return lambda: uvloop.run(serve(config))
-    logging_config = LoggingConfig(level=args.log_level)
+    logging_config = PEER_LOGGING.build(args)
     configure(logging_config.level, logging_config.format)
-    peer = peer_config(args)
     if args.command == "model-peer":
-        options = model_peer_options(args)
+        peer, options = MODEL_PEER.build(args), MODEL_OPTIONS.build(args)
         from dpu_frontend.model.peer import run_model_peer  # torch: only for this command
         return lambda: uvloop.run(run_model_peer(peer, options))
     if args.command == "gpu-peer":
+        gpu = gpu_peer_flags().build(args)
         from dpu_frontend.gpu.launcher import run_gpu_peer
-        gpu = gpu_peer_config(args, peer)
         return lambda: uvloop.run(run_gpu_peer(gpu))
+    peer = PEER.build(args)
     from dpu_frontend.peer.server import run_peer
     return lambda: uvloop.run(run_peer(peer))
 

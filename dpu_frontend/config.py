@@ -4,17 +4,16 @@ Every field is validated in ``__post_init__`` with a ``ValueError`` that names
 it; nothing reads the environment at the point of use. A setting's default
 and its explanation are written once, here, on its field (``about``): the
 file/environment keys, the ``serve`` flags and their help are derived from
-them (``settings.SETTINGS``), and the peers' flags take their defaults from
-``PeerConfig``.
+them (``settings.SETTINGS``), and so are the peers' flags (``flags.Flags``).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import Field, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from dpu_frontend.flags import about, flat, none_if_empty
 from dpu_frontend.ring import Geometry
 
 DEFAULT_TRANSPORT = "verbs"  # the product; shm is its shared-memory twin for development
@@ -28,32 +27,6 @@ LOG_FORMATS = ("text", "json")
 #: resolution, and ``asyncio.sleep(0.0005)`` under it returns at once (measured:
 #: 355,000 turns a second, a whole core with streams open and nothing due).
 MIN_POLL_INTERVAL_S = 0.001
-
-@dataclass(frozen=True, slots=True)
-class Doc:
-    """What a setting means and how it is spelled as a flag: its field's metadata."""
-
-    help: str
-    none: str = ""  # what a None default means (shown as the default)
-    flag: str = ""  # "": the key with dashes, less a unit suffix _s (poll_interval_s: --poll-interval)
-    choices: tuple[str, ...] = ()
-    hidden: bool = False  # set by the program (the worker supervisor), not by people
-
-
-_DOC = "dpu_frontend.doc"
-
-
-def about(help: str, *, none: str = "", flag: str = "", choices: tuple[str, ...] = (),
-          hidden: bool = False) -> dict[str, Doc]:
-    """A setting field's metadata: ``field(default=..., metadata=about(...))``."""
-    return {_DOC: Doc(help, none, flag, choices, hidden)}
-
-
-def doc(config_field: Field[Any]) -> Doc:
-    found = config_field.metadata.get(_DOC)
-    if not isinstance(found, Doc):
-        raise TypeError(f"{config_field.name} is not a setting: its metadata has no Doc")
-    return found
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -95,11 +68,13 @@ DEFAULT_PEER = PeerAddress("127.0.0.1", 18515)
 class RdmaConfig:
     """Which RDMA device and GID to use (verbs transport only)."""
 
+    # The peers' flags read an empty value as the daemon's settings do: not set.
     device: str | None = field(default=None, metadata=about(
-        "RDMA device name (rxe0, mlx5_2)", none="the one matching --rdma-ip, or the only device"))
+        "RDMA device name (rxe0, mlx5_2)", none="the one matching --rdma-ip, or the only device",
+        parse=none_if_empty(str)))
     ip: str | None = field(default=None, metadata=about(
         "RoCE address whose GID to use (selects device and GID index)",
-        none="the device's IPv4-mapped RoCE v2 GID"))
+        none="the device's IPv4-mapped RoCE v2 GID", parse=none_if_empty(str)))
 
     def __post_init__(self) -> None:
         if self.ip is not None:
@@ -122,6 +97,12 @@ class LoggingConfig:
         _check_choice("log_format", self.format, LOG_FORMATS)
 
 
+#: Settings the daemon and the peers share: one explanation for both sides' flags.
+_TRANSPORT = about("verbs (RDMA, the product) or shm (shared-memory twin)", choices=TRANSPORTS)
+_TOKENIZER = about("tokenizer.json or a directory holding it",
+                   none="the bundled Qwen3 tokenizer", parse=none_if_empty(Path))
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """The daemon (``dpu-frontend serve``)."""
@@ -129,14 +110,12 @@ class ServeConfig:
     peers: tuple[PeerAddress, ...] = field(default=(DEFAULT_PEER,), metadata=about(
         "GPU peer control address HOST:PORT; repeat for several GPUs (each request goes to "
         "the least loaded)", flag="--peer"))
-    transport: str = field(default=DEFAULT_TRANSPORT, metadata=about(
-        "verbs (RDMA, the product) or shm (shared-memory twin)", choices=TRANSPORTS))
+    transport: str = field(default=DEFAULT_TRANSPORT, metadata=_TRANSPORT)
     rdma: RdmaConfig = field(default_factory=RdmaConfig)  # settings rdma_device, rdma_ip
     host: str = field(default="127.0.0.1", metadata=about("HTTP listen address"))
     port: int = field(default=8000, metadata=about("HTTP listen port, 0 for any"))
     model_name: str = field(default="qwen3", metadata=about("the model name clients send"))
-    tokenizer: Path | None = field(default=None, metadata=about(
-        "tokenizer.json or a directory holding it", none="the bundled Qwen3 tokenizer"))
+    tokenizer: Path | None = field(default=None, metadata=_TOKENIZER)
     chat_template: Path | None = field(default=None, metadata=about(
         "a .jinja chat template", none="the tokenizer config's chat_template"))
     max_model_len: int | None = field(default=None, metadata=about(
@@ -277,29 +256,47 @@ class ServeConfig:
 
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
-    """The reference GPU peer (``dpu-frontend peer``)."""
+    """The GPU peers' shared settings: all of the reference peer's (``dpu-frontend peer``),
+    the others' less the pace they set themselves (cli.py says which)."""
 
-    transport: str = DEFAULT_TRANSPORT
-    rdma: RdmaConfig = field(default_factory=RdmaConfig)
-    host: str = DEFAULT_PEER.host
-    port: int = DEFAULT_PEER.port
-    shm_path: Path = Path("/dev/shm/dpu-frontend-peer")
-    geometry: Geometry = field(default_factory=Geometry)
-    mode: str = "replay"
-    tokens_per_s: float = 50.0
-    tokens_per_step: int = 0  # tokens per sequence per engine step; 0: a full record
-    tick_s: float = 0.001
-    #: GPU-like decode steps (the reference peer): every ``step_s`` each running
-    #: sequence gets one token, at most ``batch`` run at once (0: no limit); 0: off,
-    #: the pace is ``tokens_per_s``.
-    step_s: float = 0.0
-    batch: int = 0
-    #: The heartbeat's period: 20 beats within the daemon's default 1 s peer timeout.
-    heartbeat_s: float = 0.05
-    tokenizer: Path | None = None
+    transport: str = field(default=DEFAULT_TRANSPORT, metadata=_TRANSPORT)
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)  # flags --rdma-device, --rdma-ip
+    host: str = field(default=DEFAULT_PEER.host, metadata=about("control-plane listen address"))
+    port: int = field(default=DEFAULT_PEER.port, metadata=about("control-plane port"))
+    shm_path: Path = field(default=Path("/dev/shm/dpu-frontend-peer"), metadata=about(
+        "the ring region's file, with --transport shm"))
+    geometry: Geometry = field(default_factory=Geometry, metadata=flat())
+    mode: str = field(default="replay", metadata=about(
+        "replay a corpus, or echo the prompt", choices=PEER_MODES))
+    tokens_per_s: float = field(default=50.0, metadata=about(
+        "per-sequence generation rate, 0: as fast as the ring takes", flag="--tokens-per-s"))
+    tokens_per_step: int = field(default=0, metadata=about(
+        "tokens per sequence per engine step, 0: a full record"))
+    tick_s: float = field(default=0.001, metadata=about(
+        "period of the host loop, seconds: the reference peer's engine step, the model "
+        "peer's poll while idle", metavar="SECONDS"))
+    # Seconds, as every duration of the configs; milliseconds on the command line, where
+    # a GPU's decode step is counted.
+    step_s: float = field(default=0.0, metadata=about(
+        "GPU-like decode steps: every MS milliseconds each running sequence gets one token "
+        "(a burst of one-token records); replaces --tokens-per-s; 0: off", flag="--step-ms",
+        metavar="MS", scale=1e3))
+    batch: int = field(default=0, metadata=about(
+        "with --step-ms: sequences a step decodes at most, over every channel; the rest wait "
+        "for a slot; 0: no limit"))
+    # 20 beats within the daemon's default 1 s peer timeout.
+    heartbeat_s: float = field(default=0.05, metadata=about(
+        "heartbeat period, seconds; keep the daemons' peer_timeout at least 4 times it",
+        metavar="SECONDS"))
+    tokenizer: Path | None = field(default=None, metadata=_TOKENIZER)
     # The secret shared with the daemons: a hello that does not prove it gets no
-    # channel, no region address, no rkey and no QP (control/auth.py).
-    secret_file: Path | None = None
+    # channel, no region address, no rkey and no QP (control/auth.py). An empty value
+    # is a path, not "none": the peer then refuses to start rather than serve unproven
+    # clients, as when an operator's variable for it is unset.
+    secret_file: Path | None = field(default=None, metadata=about(
+        "the secret shared with the daemons (their peer_secret_file): a hello that does not "
+        "prove it gets no channel, no rkey and no QP; mode 600",
+        none="none, any client on the control port is served"))
 
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, TRANSPORTS)

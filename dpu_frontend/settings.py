@@ -19,14 +19,8 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, get_args, get_origin, get_type_hints
 
-from dpu_frontend.config import (
-    Doc,
-    LoggingConfig,
-    PeerAddress,
-    RdmaConfig,
-    ServeConfig,
-    doc,
-)
+from dpu_frontend.config import LoggingConfig, PeerAddress, RdmaConfig, ServeConfig
+from dpu_frontend.flags import Doc, doc, flag_name
 
 DEFAULT_PATH = Path("/etc/dpu-frontend/config.toml")
 ENV_PREFIX = "DPU_FRONTEND_"
@@ -97,7 +91,7 @@ class Setting:
 
     @property
     def flag(self) -> str:
-        return self.doc.flag or "--" + self.key.removesuffix("_s").replace("_", "-")
+        return flag_name(self.key, self.doc)
 
     @property
     def repeated(self) -> bool:

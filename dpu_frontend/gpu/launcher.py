@@ -19,88 +19,19 @@ does the rest, as for the scheduler inside the GPU.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
-from dataclasses import dataclass, field, fields
-from pathlib import Path
 
-from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.options import GpuPeerConfig
 from dpu_frontend.gpu.persistent import PersistentKernel
-from dpu_frontend.gpu.runtime import (
-    MODE_ECHO,
-    MODE_REPLAY,
-    PeerLibrary,
-    PeerParams,
-    build,
-    default_build_dir,
-)
+from dpu_frontend.gpu.runtime import MODE_ECHO, MODE_REPLAY, PeerLibrary, PeerParams, build
 from dpu_frontend.peer.generator import corpus_tokens
 from dpu_frontend.peer.server import PeerServer, TokenSource, serve_peer
-from dpu_frontend.ring import Geometry, Layout
+from dpu_frontend.ring import Layout
 from dpu_frontend.ring.layout import CHANNEL_SIZE, HEADER_SIZE
 
 log = logging.getLogger("dpu_frontend.gpu")
-
-#: GPU-like defaults: a decode step emits one record per running sequence, so a
-#: channel runs up to 1024 sequences with a response ring of two steps of them.
-#: The kernel's token source has no distribution to give log probabilities of: 64-byte
-#: slots of plain ids, FEATURE_LOGPROBS off (a request asking for them gets a 400).
-GPU_GEOMETRY = Geometry(max_sequences=1024, resp_slots=2048, max_prompt_tokens=32768,
-                        arena_bytes=8 << 20, resp_slot_size=64, logprobs=False)
-
-
-@dataclass(frozen=True, slots=True)
-class GpuPeerConfig:
-    """The CUDA peer: the shared peer settings, and how the kernel is built and run."""
-
-    peer: PeerConfig = field(default_factory=PeerConfig)
-    device: int = 0
-    engine_blocks: int = 0  # 0: one per SM
-    step_us: float = 0.0  # minimum engine step, 0: as fast as possible
-    prefill_us_per_token: float = 0.0  # simulated prefill cost (tests of the heartbeat)
-    heartbeat_us: float = 100.0
-    library: Path | None = None  # a prebuilt libdpuf_peer.so; None: build with nvcc
-    build_dir: Path = field(default_factory=default_build_dir)
-    cuda_arch: str = "sm_90"
-    nvcc: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.device < 0 or self.engine_blocks < 0:
-            raise ValueError("device and engine_blocks must be >= 0")
-        if self.step_us < 0 or self.prefill_us_per_token < 0:
-            raise ValueError("step_us and prefill_us_per_token must be >= 0")
-        if not 1 <= self.heartbeat_us <= 100_000:
-            raise ValueError("heartbeat_us must be in [1, 100000]")
-
-
-def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """The CUDA peer's own flags, one per ``GpuPeerConfig`` field (``peer`` aside), named
-    after it and defaulting to it."""
-    defaults = GpuPeerConfig()
-    add = parser.add_argument
-    add("--device", type=int, default=defaults.device, help="CUDA device ordinal (default %(default)s)")
-    add("--engine-blocks", type=int, default=defaults.engine_blocks,
-        help="blocks of the persistent kernel, 0: one per SM (default %(default)s)")
-    add("--step-us", type=float, default=defaults.step_us,
-        help="minimum engine step in microseconds (a decode step's duration), 0: no pacing "
-             "(default %(default)s)")
-    add("--prefill-us-per-token", type=float, default=defaults.prefill_us_per_token,
-        help="simulated prefill cost per prompt token, microseconds (default %(default)s)")
-    add("--heartbeat-us", type=float, default=defaults.heartbeat_us,
-        help="period of the heartbeat warp, microseconds (default %(default)s)")
-    add("--library", type=Path, default=defaults.library,
-        help="a prebuilt libdpuf_peer.so (default: build)")
-    add("--build-dir", type=Path, default=defaults.build_dir,
-        help="where nvcc's build is cached (default %(default)s)")
-    add("--cuda-arch", default=defaults.cuda_arch, help="nvcc -arch (default %(default)s)")
-    add("--nvcc", default=defaults.nvcc, help="the nvcc to build with (default: PATH, then CUDA_HOME)")
-
-
-def gpu_peer_config(args: argparse.Namespace, peer: PeerConfig) -> GpuPeerConfig:
-    own = {f.name: getattr(args, f.name) for f in fields(GpuPeerConfig) if f.name != "peer"}
-    return GpuPeerConfig(peer=peer, **own)
 
 
 class CudaKernel(PersistentKernel[PeerLibrary]):

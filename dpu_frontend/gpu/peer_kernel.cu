@@ -75,13 +75,9 @@ struct seq_entry {
     uint32_t pending_finish;  /* its DPUF_FINISH_* */
 };
 
-/* The 8 mailbox counters, kept in GPU memory (atomicAdd works there; it must
- * never be used on the mapped host memory of the mailbox). */
-enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL,
-       CNT_COUNT };
-
-/* Everything the kernel keeps per channel, in GPU memory. */
-struct chan_state {
+/* Everything the kernel keeps per channel, in GPU memory: the ring's state
+ * (ring_device.cuh: next request, mailbox ack, epoch, counters), then its own. */
+struct chan_state : ring_channel {
     seq_entry *table;            /* max_sequences entries */
     uint32_t *prompt_pool;       /* max_sequences spans of pool_stride tokens */
     uint32_t *pending;           /* max_sequences spans of tokens_per_step tokens */
@@ -89,12 +85,7 @@ struct chan_state {
     uint64_t pool_stride;        /* max_prompt_tokens rounded up to 32 (128 bytes) */
     unsigned long long reserved; /* response positions handed out (atomicCAS) */
     uint64_t produced;           /* contiguous published prefix = gpu_ctrl.resp_produced */
-    uint64_t next_req_seq;       /* next request record expected (1-based) */
     uint64_t resp_consumed_snapshot;
-    uint64_t acked;              /* last mailbox command_seq acknowledged */
-    uint32_t epoch;              /* of the current attachment (0: never attached) */
-    uint32_t attached;
-    unsigned long long counters[CNT_COUNT];
 };
 
 /* Grid-wide flags of the engine loop (GPU memory). */
@@ -235,178 +226,98 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
 /* Intake: mailbox commands and request records (block 0, all threads)      */
 /* ======================================================================== */
 
-/* Block 0's scratch: thread 0 reads a record or a command, the block acts on
- * it together. Every value is written by thread 0, read by all after a
- * __syncthreads, and not rewritten before the next __syncthreads. */
-struct intake_smem {
-    uint32_t words[32];     /* the request record (words 0-1: commit) */
-    uint64_t command_seq;
-    uint32_t action;        /* M_* or V_* */
-    uint32_t arg_epoch;
-    int entry;              /* a FREE entry (GENERATE) or the target (CANCEL); INT_MAX: none */
-    int duplicate;          /* a non-FREE entry has this request_id */
-};
+/* The peer's side of a mailbox command (ring_device.cuh: mailbox_command).
+ * Block 0 runs it between the grid barriers, while every other warp is parked
+ * at the barrier: no step is publishing for this channel while its rings and
+ * table are cleared. That is THE reason the engine is a step loop with grid
+ * barriers. */
+struct peer_mailbox {
+    const dpuf_channel_desc *d;
+    chan_state *st;
 
-/* Reset the channel for a new attachment. Block 0 runs it between the grid
- * barriers, while every other warp is parked at the barrier: no step is
- * publishing for this channel while its rings and table are cleared. That
- * is THE reason the engine is a step loop with grid barriers. */
-__device__ void reset_channel(const engine_args &a, uint32_t c, uint32_t new_epoch) {
-    const dpuf_channel_desc *d = a.channels + c;
-    chan_state *st = a.state + c;
-    for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
-        st->table[e].state = SEQ_FREE; /* no record is published for them */
-        st->table[e].has_pending = 0;
-    }
-    reset_rings(a.region, d);
-    for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) st->shadow[s] = 0;
-    if (threadIdx.x == 0) {
-        st->reserved = 0;
-        st->produced = 0;
-        st->next_req_seq = 1;
-        st->resp_consumed_snapshot = 0;
-    }
-    /* Every thread's zeroes reach the system before the new epoch does: a
-     * DPU that sees the epoch sees clean rings and counters. */
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        st->epoch = new_epoch;
-        st->attached = 1;
-        dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->epoch, new_epoch);
-    }
-}
-
-/* Run the channel's pending mailbox command, if any (block 0). */
-__device__ void run_mailbox(const engine_args &a, uint32_t c, intake_smem *sm) {
-    chan_state *st = a.state + c;
-    dpuf_mailbox *mb = a.mailboxes + c;
-    if (threadIdx.x == 0) {
-        uint64_t cs = 0;
-        uint32_t arg_epoch = 0;
-        sm->action = mailbox_take(mb, st->acked, st->epoch, &cs, &arg_epoch);
-        sm->command_seq = cs;
-        sm->arg_epoch = arg_epoch;
-    }
-    __syncthreads();
-    const uint32_t action = sm->action;
-    const uint32_t arg_epoch = sm->arg_epoch;
-    const uint64_t cs = sm->command_seq;
-    __syncthreads();
-    if (action == M_NONE) return;
-
-    if (action == M_ATTACH) reset_channel(a, c, arg_epoch);
-    if (action == M_DETACH) {
-        for (uint32_t e = threadIdx.x; e < a.channels[c].max_sequences; e += blockDim.x) {
-            st->table[e].state = SEQ_FREE;
+    __device__ void drop() const {
+        for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
+            st->table[e].state = SEQ_FREE; /* no record is published for them */
             st->table[e].has_pending = 0;
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (action == M_DETACH) st->attached = 0;
-        st->acked = cs;
-        mailbox_ack(mb, cs, action);
+    /* Response positions start over at 0. */
+    __device__ void reset(uint32_t) const {
+        for (uint32_t s = threadIdx.x; s < d->resp_slots; s += blockDim.x) st->shadow[s] = 0;
+        if (threadIdx.x == 0) {
+            st->reserved = 0;
+            st->produced = 0;
+            st->resp_consumed_snapshot = 0;
+        }
     }
+};
+
+/* Run the channel's pending mailbox command, if any (block 0). */
+__device__ void run_mailbox(const engine_args &a, uint32_t c, ring_smem *sm) {
+    const peer_mailbox k = {a.channels + c, a.state + c};
+    mailbox_command(a.region, k.d, a.mailboxes + c, k.st, *sm, k);
 }
 
-/* Thread 0: read and check record seq; V_NONE while it is not committed. */
-__device__ uint32_t read_record(const engine_args &a, uint32_t c, uint64_t seq, intake_smem *sm) {
-    return read_request(a.region, a.channels + c, a.state[c].epoch, seq, sm->words);
-}
+/* The peer's side of the intake walk (ring_device.cuh: intake_walk): its
+ * table of max_sequences entries and its prompt pool. */
+struct peer_intake {
+    const engine_args &a;
+    const dpuf_channel_desc *d;
+    chan_state *st;
 
-/* Take in every committed record of one attached channel (block 0). Returns
+    __device__ uint32_t judge(uint32_t verdict, const uint32_t *) const { return verdict; }
+    __device__ int32_t entries() const { return (int32_t)d->max_sequences; }
+    __device__ uint32_t look(int32_t e, uint64_t request_id) const {
+        const seq_entry *en = st->table + e;
+        const uint32_t state = en->state;
+        if (state == SEQ_FREE) return LOOK_FREE;
+        if (en->request_id != request_id) return 0u;
+        /* A CANCELLED sequence holds its id until its final record is out,
+         * but there is nothing left for a second cancel to stop. */
+        return state == SEQ_ACTIVE ? LOOK_SAME_ID | LOOK_TARGET : LOOK_SAME_ID;
+    }
+    /* The lowest FREE entry (INTAKE_NO_ROOM: none). */
+    __device__ int32_t place(const uint32_t *, int32_t free_entry) const { return free_entry; }
+    __device__ uint32_t *prompt(int32_t e) const { return st->prompt_pool + (uint64_t)e * st->pool_stride; }
+    __device__ bool generate(int32_t e, const uint32_t *wd) const {
+        if (threadIdx.x != 0) return false;
+        seq_entry *en = st->table + e;
+        const bool has_seed = (wd[REQ_FLAGS] & DPUF_FLAG_HAS_SEED) != 0;
+        en->flags = wd[REQ_FLAGS];
+        en->request_id = req_u64(wd, REQ_ID);
+        en->prompt_len = wd[REQ_PROMPT_LEN];
+        en->max_tokens = wd[REQ_MAX_TOKENS];
+        en->seed = has_seed ? req_u64(wd, REQ_SEED) : 0;
+        en->n_stop = wd[REQ_N_STOP];
+        for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[REQ_STOP + i];
+        en->emitted = 0;
+        en->cursor = 0; /* echo starts at the first prompt token */
+        /* The replay start is hashed by the owning warp in the next phase: a
+         * CRC-32 pass over a 32K-token prompt is serial work that would hold
+         * up every channel's intake here. */
+        en->start_pending = a.mode == DPUF_MODE_REPLAY;
+        en->prefill_pending = a.prefill_ns_per_token != 0 && wd[REQ_PROMPT_LEN] != 0;
+        en->has_pending = 0;
+        en->state = SEQ_ACTIVE;
+        return true;
+    }
+    /* Its owning warp publishes the final record in the next phase. */
+    __device__ void cancel(int32_t e, const uint32_t *) const {
+        st->table[e].state = SEQ_CANCELLED;
+        st->counters[CNT_CANCELLED]++;
+    }
+};
+
+/* Take in every committed record of one attached channel (block 0): the peer
+ * drains the ring at once (protocol 5.1, the sequence window). Returns
  * whether anything was consumed (the same value in every thread). */
-__device__ bool intake_channel(const engine_args &a, uint32_t c, intake_smem *sm) {
-    const dpuf_channel_desc *d = a.channels + c;
-    chan_state *st = a.state + c;
-    const uint64_t first = st->next_req_seq;
-    uint64_t seq = first; /* every thread keeps the same copy */
-    for (;;) {
-        if (threadIdx.x == 0) {
-            sm->action = read_record(a, c, seq, sm);
-            sm->entry = INT_MAX;
-            sm->duplicate = 0;
-        }
-        __syncthreads();
-        uint32_t verdict = sm->action;
-        if (verdict == V_NONE) break; /* not committed yet: the walk ends */
-        const uint64_t request_id = sm->words[4] | ((uint64_t)sm->words[5] << 32);
-
-        /* Scan the table together: a duplicate id and a FREE entry for a
-         * GENERATE, the ACTIVE target of a CANCEL. */
-        if (verdict == V_GENERATE || verdict == V_CANCEL) {
-            for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
-                const seq_entry *en = st->table + e;
-                const uint32_t state = en->state;
-                if (verdict == V_GENERATE) {
-                    if (state != SEQ_FREE && en->request_id == request_id) sm->duplicate = 1;
-                    if (state == SEQ_FREE) atomicMin(&sm->entry, (int)e);
-                } else if (state == SEQ_ACTIVE && en->request_id == request_id) {
-                    atomicMin(&sm->entry, (int)e);
-                }
-            }
-        }
-        __syncthreads();
-        const int entry = sm->entry;
-        /* A duplicate id, or no FREE entry (the DPU broke its max_sequences
-         * window): refused like any bad record. */
-        if (verdict == V_GENERATE && (sm->duplicate || entry == INT_MAX)) verdict = V_BAD;
-
-        if (verdict == V_GENERATE) {
-            const uint64_t arena_off = sm->words[6] | ((uint64_t)sm->words[7] << 32);
-            const uint32_t prompt_len = sm->words[8];
-            copy_prompt((const uint32_t *)(a.region + d->arena_offset + arena_off),
-                        st->prompt_pool + (uint64_t)entry * st->pool_stride, prompt_len);
-            __syncthreads(); /* the copy is complete before req_consumed can move */
-        }
-        if (threadIdx.x == 0) {
-            const uint32_t *wd = sm->words;
-            if (verdict == V_BAD) atomicAdd(&st->counters[CNT_BAD], 1ull);
-            if (verdict == V_CANCEL && entry != INT_MAX) {
-                /* Unknown or finished target: ignored, not bad. */
-                st->table[entry].state = SEQ_CANCELLED;
-                atomicAdd(&st->counters[CNT_CANCELLED], 1ull);
-            }
-            if (verdict == V_GENERATE) {
-                seq_entry *en = st->table + entry;
-                const bool has_seed = (wd[3] & DPUF_FLAG_HAS_SEED) != 0;
-                en->flags = wd[3];
-                en->request_id = request_id;
-                en->prompt_len = wd[8];
-                en->max_tokens = wd[9];
-                en->seed = has_seed ? (wd[14] | ((uint64_t)wd[15] << 32)) : 0;
-                en->n_stop = wd[19];
-                for (int i = 0; i < (int)DPUF_MAX_STOP_TOKEN_IDS; i++) en->stop[i] = wd[20 + i];
-                en->emitted = 0;
-                en->cursor = 0; /* echo starts at the first prompt token */
-                /* The replay start is hashed by the owning warp in the next
-                 * phase: an FNV pass over a 32K-token prompt is serial work
-                 * that would hold up every channel's intake here. */
-                en->start_pending = a.mode == DPUF_MODE_REPLAY;
-                en->prefill_pending = a.prefill_ns_per_token != 0 && wd[8] != 0;
-                en->has_pending = 0;
-                en->state = SEQ_ACTIVE;
-                atomicAdd(&st->counters[CNT_ADMITTED], 1ull);
-            }
-            atomicAdd(&st->counters[CNT_RECORDS], 1ull);
-        }
-        seq++;
-        __syncthreads(); /* sm is rewritten for the next record */
-    }
-    __syncthreads();
-    const bool consumed = seq != first;
+__device__ bool intake_channel(const engine_args &a, uint32_t c, ring_smem *sm) {
+    const peer_intake k = {a, a.channels + c, a.state + c};
+    const bool consumed = intake_walk(a.region, k.d, k.st, UINT64_MAX, *sm, k);
     if (threadIdx.x == 0) {
-        if (consumed) {
-            st->next_req_seq = seq;
-            /* Prompt copied out before req_consumed moves: the DPU reuses
-             * the slots and arena spans it covers as soon as it sees it. */
-            __threadfence_system();
-            dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->req_consumed, seq - 1);
-        }
         /* The DPU's read index, once per step: the publish phase reserves
          * positions against this snapshot (acquire: written by a NIC/CPU). */
-        st->resp_consumed_snapshot = dpuf_load_acquire_sys(&dpu_ctrl_of(a.region, d)->resp_consumed);
+        k.st->resp_consumed_snapshot = dpuf_load_acquire_sys(&dpu_ctrl_of(a.region, k.d)->resp_consumed);
     }
     return consumed;
 }
@@ -583,7 +494,7 @@ __device__ void finish_step(const engine_args &a) {
 
 __global__ void __launch_bounds__(ENGINE_THREADS, 1) engine_kernel(const __grid_constant__ engine_args a) {
     cg::grid_group grid = cg::this_grid();
-    __shared__ intake_smem sm;
+    __shared__ ring_smem sm;
     const bool leader = blockIdx.x == 0;
     uint64_t steps = 0, step_start = 0;
     bool took = false; /* block 0: some record was consumed this step */
@@ -799,10 +710,7 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     }
 
     /* Mailbox area: the kernel block, then one mailbox per channel. */
-    const size_t mbx_bytes = sizeof(dpuf_kernel_block) + nch * sizeof(dpuf_mailbox);
-    DPUF_CHECK(cudaHostAlloc(&peer->mbx_host, mbx_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-    memset(peer->mbx_host, 0, mbx_bytes);
-    DPUF_CHECK(cudaHostGetDevicePointer(&peer->mbx_dev, peer->mbx_host, 0));
+    DPUF_CHECK(mailbox_area_alloc(nch, &peer->mbx_host, &peer->mbx_dev));
 
     /* Per-channel GPU-local state. */
     for (uint32_t c = 0; c < nch; c++) {

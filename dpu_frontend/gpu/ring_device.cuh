@@ -3,6 +3,11 @@
  * kernel shares: the CUDA peer (peer_kernel.cu) and the model's scheduler
  * (scheduler.cu). Request records in, rings reset at an attachment, mailbox
  * commands, the heartbeat. docs/protocol.md says the bytes and the orders.
+ *
+ * Where the kernels differ (their sequence tables, what a record or a command
+ * does to them), a shared walk takes the kernel's side as a small object
+ * whose members it calls: a template, so every call is inlined, with no
+ * function pointer and no cost at run time.
  */
 #ifndef DPUF_RING_DEVICE_CUH
 #define DPUF_RING_DEVICE_CUH
@@ -10,7 +15,9 @@
 #include "ring_protocol.h"
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stdint.h>
+#include <string.h>
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
@@ -45,7 +52,39 @@ __device__ __forceinline__ dpuf_dpu_ctrl *dpu_ctrl_of(uint8_t *region, const dpu
 enum : uint32_t { V_NONE = 0, V_BAD, V_GENERATE, V_CANCEL };
 enum : uint32_t { M_NONE = 0, M_ATTACH, M_DETACH, M_BAD_EPOCH, M_BAD_COMMAND };
 
-/* Request record words (dpuf_request_record as 32 u32 words, protocol 4). */
+/* The mailbox's 8 counters, in its order (dpuf_mailbox.records onwards). */
+enum : uint32_t { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED,
+                  CNT_RING_FULL, CNT_COUNT };
+
+/* What every kernel keeps of a channel's ring, in GPU memory: the fields the
+ * intake walk and the mailbox commands below read and write. A kernel's own
+ * per-channel state derives from it (struct chan_state : ring_channel). */
+struct ring_channel {
+    uint64_t next_req_seq; /* the next request record expected (1-based) */
+    uint64_t acked;        /* the last mailbox command_seq acknowledged */
+    uint32_t epoch;        /* of the current attachment (0: never attached) */
+    uint32_t attached;
+    /* GPU memory: atomics work here, and must never be used on the mapped
+     * host memory of the mailbox, which gets plain stores of these. */
+    unsigned long long counters[CNT_COUNT];
+};
+
+/* The block's scratch for a request record or a mailbox command: thread 0
+ * writes it, the block reads it past a barrier, and nothing is rewritten
+ * before the next barrier. */
+struct ring_smem {
+    uint32_t words[32]; /* the request record (REQ_*); words 0-1, the commit word, are not copied */
+    uint64_t command_seq;
+    uint32_t action; /* M_* */
+    uint32_t arg_epoch;
+    uint32_t verdict; /* V_* */
+    int entry;        /* the scan's lowest match (a free entry, a cancel's target); INT_MAX: none */
+    int duplicate;    /* a live sequence has the GENERATE's request_id */
+};
+
+/* Request record words: dpuf_request (protocol 5.1) as 32 u32 words, read
+ * by read_request. Every reader names them; the asserts after the list hold
+ * each name to its field's offset. */
 __device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w[i] | ((uint64_t)w[i + 1] << 32); }
 #define REQ_KIND 2
 #define REQ_FLAGS 3
@@ -65,6 +104,27 @@ __device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w
 #define REQ_STOP 20
 #define REQ_EPOCH 28
 #define REQ_LOGPROBS 29
+#define DPUF_REQ_WORD(name, field) \
+    static_assert(offsetof(dpuf_request, field) == 4 * (name), #name " is not dpuf_request." #field)
+DPUF_REQ_WORD(REQ_KIND, kind);
+DPUF_REQ_WORD(REQ_FLAGS, flags);
+DPUF_REQ_WORD(REQ_ID, request_id);
+DPUF_REQ_WORD(REQ_ARENA, arena_offset);
+DPUF_REQ_WORD(REQ_PROMPT_LEN, prompt_len);
+DPUF_REQ_WORD(REQ_MAX_TOKENS, max_tokens);
+DPUF_REQ_WORD(REQ_TEMPERATURE, temperature);
+DPUF_REQ_WORD(REQ_TOP_P, top_p);
+DPUF_REQ_WORD(REQ_TOP_K, top_k);
+DPUF_REQ_WORD(REQ_MIN_P, min_p);
+DPUF_REQ_WORD(REQ_SEED, seed);
+DPUF_REQ_WORD(REQ_PRESENCE, presence_penalty);
+DPUF_REQ_WORD(REQ_FREQUENCY, frequency_penalty);
+DPUF_REQ_WORD(REQ_REPETITION, repetition_penalty);
+DPUF_REQ_WORD(REQ_N_STOP, n_stop_token_ids);
+DPUF_REQ_WORD(REQ_STOP, stop_token_ids);
+DPUF_REQ_WORD(REQ_EPOCH, epoch);
+DPUF_REQ_WORD(REQ_LOGPROBS, top_logprobs);
+#undef DPUF_REQ_WORD
 
 /* One thread: read and check record `seq` of channel `d` into words[0..31];
  * V_NONE while it is not committed. */
@@ -129,6 +189,117 @@ __device__ void copy_prompt(const uint32_t *src, uint32_t *dst, uint32_t len) {
     for (uint32_t i = n4 * 4u + threadIdx.x; i < len; i += nt) dst[i] = dpuf_load_fresh_u32(src + i);
 }
 
+/* The scan's view of one entry of a kernel's sequence table (LOOK_* bits). */
+enum : uint32_t {
+    LOOK_FREE = 1u,    /* a GENERATE may take it */
+    LOOK_SAME_ID = 2u, /* a live sequence of the channel with the record's request_id: a GENERATE is a duplicate */
+    LOOK_TARGET = 4u,  /* ... that a CANCEL of that id stops */
+};
+/* Where a GENERATE goes, besides an entry (>= 0). */
+#define INTAKE_NO_ROOM INT_MAX /* no entry for it: a bad record (the DPU broke its max_sequences window) */
+#define INTAKE_REFUSED (-1)    /* not a bad record, but its prompt is not copied: the kernel answers it */
+
+/*
+ * The intake walk: take in the committed request records of attached channel
+ * d, in order, at most max_records of them, all threads of the block
+ * together. Returns whether it took any (the same in every thread).
+ *
+ * Shared here: the commit's acquire and the body's fresh loads
+ * (read_request), the block-wide scan of the kernel's sequence table (a
+ * GENERATE's duplicate id and a free entry, a CANCEL's target), the prompt
+ * copy, the counters, and req_consumed released once, after every copy.
+ * The kernel's side is `k`; thread-0 members run on thread 0 only, block
+ * members on every thread with the same arguments (they may __syncthreads):
+ *
+ *   uint32_t judge(uint32_t verdict, const uint32_t *words)    thread 0
+ *       a committed record as the kernel sees it: V_NONE leaves it and the
+ *       rest for a later walk, V_BAD refuses it, or the verdict as it is.
+ *   int32_t entries()                                           block
+ *       the size of the sequence table.
+ *   uint32_t look(int32_t e, uint64_t request_id)               block
+ *       entry e as LOOK_* bits.
+ *   int32_t place(const uint32_t *words, int32_t free_entry)    block
+ *       a GENERATE with no duplicate: the entry its prompt goes to, or
+ *       INTAKE_NO_ROOM, INTAKE_REFUSED. free_entry is the lowest entry the
+ *       scan found LOOK_FREE, INTAKE_NO_ROOM if none.
+ *   uint32_t *prompt(int32_t entry)                              block
+ *       where that entry's prompt goes: 16-byte aligned, room for the whole
+ *       128-byte chunks of max_prompt_tokens.
+ *   bool generate(int32_t entry, const uint32_t *words)         block
+ *       the GENERATE placed at entry (INTAKE_REFUSED: not copied), its
+ *       prompt copied; thread 0's result: admitted (counted).
+ *   void cancel(int32_t target, const uint32_t *words)          thread 0
+ *       a CANCEL whose target is live (an unknown or finished one is
+ *       ignored, not bad).
+ */
+template <class Kernel>
+__device__ bool intake_walk(uint8_t *region, const dpuf_channel_desc *d, ring_channel *st, uint64_t max_records,
+                            ring_smem &sm, const Kernel &k) {
+    const uint64_t first = st->next_req_seq;
+    uint64_t seq = first; /* every thread keeps the same copy */
+    while (seq - first < max_records) {
+        if (threadIdx.x == 0) {
+            uint32_t verdict = read_request(region, d, st->epoch, seq, sm.words);
+            if (verdict != V_NONE) verdict = k.judge(verdict, sm.words);
+            sm.verdict = verdict;
+            sm.entry = INT_MAX;
+            sm.duplicate = 0;
+        }
+        __syncthreads();
+        uint32_t verdict = sm.verdict;
+        if (verdict == V_NONE) break; /* not committed yet, or left for later: the walk ends */
+        const uint64_t request_id = req_u64(sm.words, REQ_ID);
+
+        /* Scan the table together. */
+        if (verdict == V_GENERATE || verdict == V_CANCEL) {
+            const int32_t n = k.entries();
+            for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+                const uint32_t look = k.look(e, request_id);
+                if (verdict == V_GENERATE) {
+                    if (look & LOOK_SAME_ID) sm.duplicate = 1;
+                    if (look & LOOK_FREE) atomicMin(&sm.entry, e);
+                } else if (look & LOOK_TARGET) {
+                    atomicMin(&sm.entry, e);
+                }
+            }
+        }
+        __syncthreads();
+        int32_t entry = sm.entry;
+        /* A duplicate id, or no entry: refused like any bad record. */
+        if (verdict == V_GENERATE && sm.duplicate) verdict = V_BAD;
+        if (verdict == V_GENERATE) {
+            entry = k.place(sm.words, entry);
+            if (entry == INTAKE_NO_ROOM) verdict = V_BAD;
+        }
+        if (verdict == V_GENERATE && entry >= 0) {
+            copy_prompt((const uint32_t *)(region + d->arena_offset + req_u64(sm.words, REQ_ARENA)), k.prompt(entry),
+                        sm.words[REQ_PROMPT_LEN]);
+            __syncthreads(); /* the copy is complete before req_consumed can move */
+        }
+        const bool admitted = verdict == V_GENERATE && k.generate(entry, sm.words);
+        if (threadIdx.x == 0) {
+            /* Plain increments: thread 0 of this block is their only writer. */
+            if (verdict == V_BAD) st->counters[CNT_BAD]++;
+            if (verdict == V_CANCEL && entry != INT_MAX) k.cancel(entry, sm.words); /* else ignored, not bad */
+            if (admitted) st->counters[CNT_ADMITTED]++;
+            st->counters[CNT_RECORDS]++;
+        }
+        seq++;
+        __syncthreads(); /* sm is rewritten for the next record */
+    }
+    const bool took = seq != first;
+    if (threadIdx.x == 0 && took) {
+        st->next_req_seq = seq;
+        /* Every prompt is copied out (each copy ended at a barrier) before
+         * req_consumed moves: the DPU reuses the slots and arena spans it
+         * covers as soon as it sees it. Fence, then release, system scope. */
+        __threadfence_system();
+        dpuf_store_release_sys(&gpu_ctrl_of(region, d)->req_consumed, seq - 1);
+    }
+    __syncthreads();
+    return took;
+}
+
 /* Zero a channel's rings and indices for a new attachment, all threads of
  * the block; nothing may publish into the channel meanwhile. The caller
  * fences (system scope) and syncs before it stores the new epoch. A stale
@@ -176,6 +347,51 @@ __device__ void mailbox_ack(dpuf_mailbox *mb, uint64_t command_seq, uint32_t act
     dpuf_store_release_sys(&mb->ack_seq, command_seq);
 }
 
+/*
+ * Run channel d's pending mailbox command, if any, all threads of the block,
+ * between two engine steps: nothing of the kernel may publish into the
+ * channel meanwhile. An ATTACH refused (M_BAD_EPOCH) or unknown is only
+ * acknowledged. `k` is the kernel's side, two members every thread calls:
+ *   void drop()                 every sequence of the channel ends without a
+ *                               record (ATTACH: the ring it would publish
+ *                               into is zeroed; DETACH: it is let go);
+ *   void reset(uint32_t epoch)  an ATTACH: the kernel's own state of the
+ *                               channel starts over, after the rings are
+ *                               zeroed and before the fence.
+ */
+template <class Kernel>
+__device__ void mailbox_command(uint8_t *region, const dpuf_channel_desc *d, dpuf_mailbox *mb, ring_channel *st,
+                                ring_smem &sm, const Kernel &k) {
+    if (threadIdx.x == 0) sm.action = mailbox_take(mb, st->acked, st->epoch, &sm.command_seq, &sm.arg_epoch);
+    __syncthreads();
+    const uint32_t action = sm.action, epoch = sm.arg_epoch;
+    const uint64_t cs = sm.command_seq;
+    __syncthreads(); /* read by all before thread 0 takes the next command */
+    if (action == M_NONE) return;
+    if (action == M_ATTACH || action == M_DETACH) k.drop();
+    if (action == M_ATTACH) {
+        reset_rings(region, d);
+        k.reset(epoch);
+        if (threadIdx.x == 0) st->next_req_seq = 1;
+        /* Every thread's zeroes reach the system before the new epoch does: a
+         * DPU that sees the epoch sees clean rings and counters. */
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            st->epoch = epoch;
+            st->attached = 1;
+            dpuf_store_release_sys(&gpu_ctrl_of(region, d)->epoch, epoch);
+        }
+    }
+    __syncthreads(); /* the block's drop and reset are done before the ack */
+    if (threadIdx.x == 0) {
+        if (action == M_DETACH) st->attached = 0;
+        st->acked = cs;
+        mailbox_ack(mb, cs, action);
+    }
+    __syncthreads();
+}
+
 struct heartbeat_args {
     uint8_t *region;
     const dpuf_channel_desc *channels;
@@ -210,6 +426,20 @@ __global__ void heartbeat_kernel(const heartbeat_args a) {
         next += a.heartbeat_ns;
         if (next <= now) next = now + a.heartbeat_ns; /* after a stall: no burst of beats */
     }
+}
+
+/* ---- host -------------------------------------------------------------------- */
+
+/* The mailbox area (protocol 7.1): the kernel block, then one mailbox per
+ * channel, zeroed, in pinned host memory mapped into the GPU. *host is the
+ * launcher's address (cudaFreeHost), *dev the kernels'. The first failure is
+ * returned for the caller's check (DPUF_CHECK); *host may be set even then. */
+static inline cudaError_t mailbox_area_alloc(uint32_t channel_count, void **host, void **dev) {
+    const size_t bytes = DPUF_KERNEL_BLOCK_SIZE + (size_t)DPUF_MAILBOX_SIZE * channel_count;
+    const cudaError_t e = cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) return e;
+    memset(*host, 0, bytes);
+    return cudaHostGetDevicePointer(dev, *host, 0);
 }
 
 #endif /* DPUF_RING_DEVICE_CUH */

@@ -3,8 +3,9 @@
 A checkpoint is ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``. Each file is an 8-byte little-endian header
 length, a JSON header (name -> dtype, shape, byte range) and the raw tensors.
-This module parses and checks the headers against the model's shapes (HF's
-Qwen3 tensor names), memory-maps the files and hands out each tensor's bytes;
+This module parses and checks the headers against the model's weight table
+(``models.base.WeightTable``: HF's tensor names and shapes for the config's
+architecture), memory-maps the files and hands out each tensor's bytes;
 turning bytes into device tensors is the runner's job. Nothing here needs a
 GPU, so the checks run in CI.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.model import registry
 from dpu_frontend.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -47,30 +49,8 @@ class TensorRef:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF's Qwen3 tensor names and shapes for ``config``."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
+    """HF's tensor names and shapes for ``config`` (its architecture's weight table)."""
+    return registry.spec(config.architecture).weights.shapes(config)
 
 
 class Checkpoint:
@@ -95,7 +75,7 @@ class Checkpoint:
         unknown = sorted(n for n in found if n not in shapes and not _IGNORED.fullmatch(n)
                          and not (tied_head and n == "lm_head.weight"))
         if unknown:
-            raise StartupError(f"{directory}: tensors this Qwen3 config does not have: "
+            raise StartupError(f"{directory}: tensors this {config.architecture} config does not have: "
                                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
         missing = sorted(n for n in shapes if n not in found)
         if missing:

@@ -1,8 +1,10 @@
-"""The decoder's shapes, read from a Hugging Face ``config.json``.
+"""The decoder's shapes and options, read from a Hugging Face ``config.json``.
 
-Only the Qwen3 architecture is served (RMSNorm, GQA, q/k-norm, RoPE, SwiGLU);
-a config of another architecture, or one using a feature this engine does not
-implement (rope scaling, sliding windows, biases), is refused at start-up
+The shapes are a decoder's whatever its architecture (layers, hidden size, GQA
+heads, vocabulary); the architecture (config.json's ``architectures``) picks a
+spec from ``registry``, which says which options it implements (q/k-norm, rope
+scaling, activations). A config of an architecture the engine does not serve,
+or asking for an option its spec does not implement, is refused at start-up
 rather than served wrong. With no file, the default is Qwen3-0.6B's shapes,
 which match the bundled tokenizer.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.model import registry
 
 #: Qwen3-0.6B's config.json, the fields this engine reads.
 QWEN3_0_6B: dict[str, Any] = {
@@ -45,8 +48,11 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Qwen3 decoder's shapes. Built by ``from_dict``/``load``, validated there."""
+    """A decoder's shapes and its architecture's options. Built by ``from_dict``/``load``,
+    validated there."""
 
+    #: config.json's ``architectures[0]``: its key in ``registry.MODELS``.
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +67,8 @@ class ModelConfig:
     #: The checkpoint's dtype; the engine may run in another (``--dtype``).
     dtype: str
     eos_token_ids: tuple[int, ...]
+    #: A per-head RMSNorm of q and k before RoPE (the architecture's: Qwen3).
+    qk_norm: bool
 
     @property
     def group_size(self) -> int:
@@ -80,11 +88,8 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * element_bytes
 
     def parameter_count(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-                     + 2 * h + 2 * self.head_dim)
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
+        """The weights' elements: the tensors of the architecture's table."""
+        return registry.spec(self.architecture).weights.parameter_count(self)
 
     @classmethod
     def default(cls) -> ModelConfig:
@@ -112,15 +117,9 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, d: dict[str, Any]) -> ModelConfig:
-        model_type = d.get("model_type")
-        if model_type != "qwen3":
-            raise ValueError(f"model_type {model_type!r} is not served; this engine runs qwen3")
-        for key, refused in (("rope_scaling", None), ("attention_bias", False),
-                             ("use_sliding_window", False)):
-            if d.get(key, refused) != refused:
-                raise ValueError(f"{key} = {d[key]!r} is not implemented by this engine")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not implemented (silu only)")
+        architecture = _architecture(d)
+        spec = registry.spec(architecture)
+        spec.check(d)
         heads, kv_heads = _positive(d, "num_attention_heads"), _positive(d, "num_key_value_heads")
         hidden = _positive(d, "hidden_size")
         head_dim = _positive(d, "head_dim") if "head_dim" in d else hidden // heads
@@ -141,14 +140,28 @@ class ModelConfig:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in eos_ids):
             raise ValueError(f"eos_token_id {eos!r} is outside the vocabulary")
         return cls(
-            vocab_size=vocab, hidden_size=hidden,
+            architecture=architecture, vocab_size=vocab, hidden_size=hidden,
             intermediate_size=_positive(d, "intermediate_size"),
             num_layers=_positive(d, "num_hidden_layers"), num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim,
             max_position=_positive(d, "max_position_embeddings"), rms_norm_eps=eps,
             rope_theta=theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            dtype=dtype, eos_token_ids=eos_ids,
+            dtype=dtype, eos_token_ids=eos_ids, qk_norm=spec.qk_norm,
         )
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    """``architectures[0]``; a config without the list is taken by its ``model_type``."""
+    names = d.get("architectures")
+    if names is None:
+        found = registry.by_model_type(d.get("model_type"))
+        if found is None:
+            raise ValueError(f"no architectures, and model_type {d.get('model_type')!r} is not "
+                             f"served; this engine runs {', '.join(sorted(registry.MODELS))}")
+        return found
+    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
+        raise ValueError(f"architectures must name one architecture, got {names!r}")
+    return names[0]
 
 
 def _positive(d: dict[str, Any], key: str) -> int:

@@ -32,9 +32,9 @@ from dpu_frontend.model.scheduler import Batch, Scheduler, Sequence
 from dpu_frontend.ring.records import FinishReason, SamplingParams
 
 if TYPE_CHECKING:  # torch: the engine's logic runs (and is tested) without it
+    from dpu_frontend.model.layers.sampler import Drawn
     from dpu_frontend.model.publish import RingRecords, Target
     from dpu_frontend.model.runner import ModelRunner
-    from dpu_frontend.model.sampler import Drawn
 
 
 @dataclass

@@ -27,7 +27,6 @@ import ctypes
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from dpu_frontend.errors import StartupError
@@ -35,17 +34,17 @@ from dpu_frontend.gpu.persistent import PersistentKernel
 from dpu_frontend.model.device.sched_core import (
     ERRORS,
     MAX_EOS,
-    VARIANTS,
     ModelParams,
     ModelStats,
     SchedConfig,
     SchedulerLibrary,
 )
 from dpu_frontend.model.graphs import StepGraph
-from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.layers.attention import ATTN_ROWS
+from dpu_frontend.model.layers.sampler import BatchParams
 from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.runner import ModelRunner
-from dpu_frontend.model.sampler import BatchParams, Sampler
+from dpu_frontend.model.sampling import VARIANTS
 from dpu_frontend.ring import Layout
 from dpu_frontend.ring.layout import CHANNEL_SIZE, HEADER_SIZE, MAX_TOP_LOGPROBS
 
@@ -61,14 +60,6 @@ def sampler_reserve(runner: ModelRunner) -> int:
     """Bytes the sampler graphs hold beside the KV cache: the largest draws
     ``SAMPLER_TEMPORARIES`` [rows, vocab] tensors of 8 bytes at once."""
     return SAMPLER_TEMPORARIES * runner.options.max_seqs * runner.config.vocab_size * 8
-
-
-def _facts(variant: str, vocab: int) -> SamplingRows:
-    """The stages a variant runs, as the host's batch facts would select them."""
-    full = variant in ("full", "logprobs")
-    none = np.zeros((6, 0), np.float32), np.zeros((3, 0), np.int64)
-    return SamplingRows(*none, top_k_max=vocab if full else 0, any_top_k=full, any_top_p=full,
-                        any_min_p=full, any_penalty=full, all_greedy=variant == "greedy")
 
 
 class SamplerGraphs:
@@ -95,26 +86,18 @@ class SamplerGraphs:
         self.graphs: list[list[torch.cuda.CUDAGraph]] = []
 
     def _sample(self, logits: torch.Tensor, variant: str) -> None:
+        """What a sampler graph runs: the runner's own ``Sampler.step`` over the static
+        rows, with the stages of ``variant``, its results into the static outputs."""
         runner = self.runner
         n = logits.shape[0]
-        limit = runner.options.vocab_limit
-        if 0 < limit < logits.shape[1]:
-            logits[:, limit:] = float("-inf")
         f, i = self.row_floats[:, :n], self.row_ints[:, :n]
         params = BatchParams(temperature=f[0], top_p=f[1], min_p=f[2], presence=f[3],
                              frequency=f[4], repetition=f[5], top_k=i[0], seed=i[1], step=i[2],
-                             host=_facts(variant, logits.shape[1]))
-        slots, positions = self.row_slot[:n], self.row_pos[:n]
-        sampler = runner.sampler
-        penalized = sampler.penalize(logits, params, slots, runner.counts, runner.in_prompt)
-        tokens = sampler.draw(penalized, params)
-        runner.tokens[slots, positions] = tokens
-        runner.counts[slots, tokens] += 1
-        self.out_tokens[:n].copy_(tokens)
-        if variant == "logprobs":
-            drawn = Sampler.logprobs(logits, tokens, MAX_TOP_LOGPROBS)
-            assert drawn.logprob is not None and drawn.top_ids is not None
-            assert drawn.top_logprobs is not None
+                             host=SamplingRows.stages_of(variant, logits.shape[1]))
+        drawn = runner.sampler.step(logits, params, self.row_slot[:n], self.row_pos[:n],
+                                    runner.slots, MAX_TOP_LOGPROBS if variant == "logprobs" else -1)
+        self.out_tokens[:n].copy_(drawn.tokens)
+        if drawn.logprob is not None and drawn.top_ids is not None and drawn.top_logprobs is not None:
             self.out_logprob[:n].copy_(drawn.logprob)
             self.out_top_ids[:n].copy_(drawn.top_ids)
             self.out_top_logprobs[:n].copy_(drawn.top_logprobs)
@@ -193,8 +176,8 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),
             eos_count=len(eos), eos=(ctypes.c_uint32 * MAX_EOS)(*eos, *[0] * (MAX_EOS - len(eos))),
             device=o.device, vocab=c.vocab_size, heartbeat_ns=self.heartbeat_ns,
-            idle_ns=self.idle_ns, sched=sched, tokens=runner.tokens.data_ptr(),
-            counts=runner.counts.data_ptr(), in_prompt=runner.in_prompt.data_ptr(),
+            idle_ns=self.idle_ns, sched=sched, tokens=runner.slots.tokens.data_ptr(),
+            counts=runner.slots.counts.data_ptr(), in_prompt=runner.slots.in_prompt.data_ptr(),
             vocab_rows=c.vocab_size, rows_stride=s.rows, row_slot=s.row_slot.data_ptr(),
             row_pos=s.row_pos.data_ptr(), row_floats=s.row_floats.data_ptr(),
             row_ints=s.row_ints.data_ptr(), out_tokens=s.out_tokens.data_ptr(),

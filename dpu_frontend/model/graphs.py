@@ -31,8 +31,9 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from dpu_frontend.model.layers.attention import Attention
 from dpu_frontend.model.metadata import GraphShape, StepInputs, graph_for, graph_shapes
-from dpu_frontend.model.qwen3 import Attention, Qwen3
+from dpu_frontend.model.models.base import Decoder
 
 
 class StepGraph:
@@ -72,7 +73,7 @@ class StepGraph:
         self.inputs.copy_(self.staging[turn], non_blocking=True)
         self.copied[turn].record()
 
-    def capture(self, model: Qwen3, tokens: torch.Tensor, pool: object) -> None:
+    def capture(self, model: Decoder, tokens: torch.Tensor, pool: object) -> None:
         v = self.views
 
         def run() -> torch.Tensor:
@@ -91,7 +92,7 @@ class StepGraph:
 class StepGraphs:
     """Every captured step, in ``metadata.graph_shapes``' order."""
 
-    def __init__(self, model: Qwen3, tokens: torch.Tensor, max_seqs: int, max_blocks: int,
+    def __init__(self, model: Decoder, tokens: torch.Tensor, max_seqs: int, max_blocks: int,
                  scratch_slot: int, keep_graphs: bool = False) -> None:
         self.model = model
         self.keep_graphs = keep_graphs

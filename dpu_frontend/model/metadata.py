@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpu_frontend.model.sampling import GREEDY_BELOW
+from dpu_frontend.model.sampling import VARIANTS, row_greedy, row_penalized, variant_of
 from dpu_frontend.model.scheduler import Batch
 from dpu_frontend.ring.records import SamplingParams
 
@@ -19,7 +19,7 @@ from dpu_frontend.ring.records import SamplingParams
 @dataclass(slots=True)
 class StepInputs:
     """One step's metadata on the host: what the forward and the logits need. Its
-    fields named as ``qwen3.Attention``'s are those tensors' host arrays (the runner
+    fields named as ``layers.attention.Attention``'s are those tensors' host arrays (the runner
     and the graphs build an ``Attention`` from them by name)."""
 
     slots: np.ndarray  # [T] int64: each token's row in the token buffer
@@ -193,8 +193,24 @@ class SamplingRows:
         top_k = ints[0]
         return cls(floats, ints, top_k_max=int(top_k.max(initial=0)), any_top_k=bool(top_k.any()),
                    any_top_p=bool((top_p < 1.0).any()), any_min_p=bool((min_p > 0).any()),
-                   any_penalty=bool(((repetition != 1.0) | (frequency != 0) | (presence != 0)).any()),
-                   all_greedy=bool((temperature < GREEDY_BELOW).all()))
+                   any_penalty=bool(row_penalized(presence, frequency, repetition).any()),
+                   all_greedy=bool(row_greedy(temperature).all()))
+
+    @classmethod
+    def stages_of(cls, variant: str, vocab_size: int) -> SamplingRows:
+        """No rows: the facts that make the host sampler run ``variant``'s stages (the
+        GPU scheduler's sampler graphs are captured through them)."""
+        if variant not in VARIANTS:
+            raise ValueError(f"no sampler variant {variant!r}")
+        full = variant in ("full", "logprobs")
+        return cls(np.zeros((6, 0), np.float32), np.zeros((3, 0), np.int64),
+                   top_k_max=vocab_size if full else 0, any_top_k=full, any_top_p=full,
+                   any_min_p=full, any_penalty=full, all_greedy=variant == "greedy")
+
+    def variant(self, logprobs: bool) -> str:
+        """The GPU scheduler's variant for these rows (``sampling.variant_of``)."""
+        return VARIANTS[variant_of(self.all_greedy, self.any_penalty,
+                                   self.any_top_k or self.any_top_p or self.any_min_p, logprobs)]
 
     @classmethod
     def from_params(cls, rows: list[tuple[SamplingParams, int, int]], vocab_size: int) -> SamplingRows:

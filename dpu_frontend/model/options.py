@@ -1,37 +1,46 @@
-"""The model engine's settings and the ``model-peer`` flags that build them.
+"""The model engine's settings (``dpu-frontend model-peer``), each field with its flag's help.
 
 No torch here: the CLI parses and validates these on any machine (a bad flag
-is a usage error before a GPU is touched), and CI tests them.
+is a usage error before a GPU is touched), and CI tests them. A field without a
+Doc is not a flag: the peer sets it (``vocab_limit``, from the tokenizer), or a
+request does (``top_logprobs``).
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from dpu_frontend.flags import about, flat
 
 DTYPES = ("bfloat16", "float16", "float32")
 RECORDS = ("gpu", "host")
 SCHEDULERS = ("host", "gpu")
+BLOCK_SIZES = (16, 32, 64)
 
 
 @dataclass(frozen=True, slots=True)
 class RunnerOptions:
     """How the model is placed on the GPU."""
 
-    dtype: str = "bfloat16"
-    device: int = 0
-    #: Checkpoint directory (HF layout, safetensors); None: seeded random weights.
-    weights: Path | None = None
-    weight_seed: int = 0
-    block_size: int = 32
-    #: KV cache blocks; 0: as many as ``memory_fraction`` of the GPU leaves.
-    num_blocks: int = 0
-    memory_fraction: float = 0.85
-    max_seqs: int = 256
-    max_model_len: int = 8192
-    #: Decode steps as CUDA graphs (one per batch-size bucket); False: eager.
-    cuda_graphs: bool = True
+    dtype: str = field(default="bfloat16", metadata=about(
+        "dtype of the weights and the KV cache", choices=DTYPES))
+    device: int = field(default=0, metadata=about("CUDA device index"))
+    weights: Path | None = field(default=None, metadata=about(
+        "HF-layout safetensors checkpoint", metavar="DIR",
+        none="seeded random weights: real arithmetic, gibberish text"))
+    weight_seed: int = field(default=0, metadata=about("seed of the random weights"))
+    block_size: int = field(default=32, metadata=about(
+        "tokens per KV block", choices=BLOCK_SIZES))
+    num_blocks: int = field(default=0, metadata=about(
+        "KV cache blocks, 0: what --memory-fraction of the GPU leaves", flag="--kv-blocks"))
+    memory_fraction: float = field(default=0.85, metadata=about(
+        "share of the GPU's memory in use once the KV cache is allocated, with --kv-blocks 0"))
+    max_seqs: int = field(default=256, metadata=about("sequences in a batch"))
+    max_model_len: int = field(default=8192, metadata=about("longest prompt + output, tokens"))
+    # Decode steps as CUDA graphs, one per batch-size bucket; the flag turns them off.
+    cuda_graphs: bool = field(default=True, metadata=about(
+        "run every step eagerly", flag="--no-cuda-graphs"))
     #: Token ids the sampler may draw: the tokenizer's (a model's vocabulary is padded,
     #: Qwen3's 151,936 rows for the tokenizer's 151,669 ids); 0: every row.
     vocab_limit: int = 0
@@ -39,7 +48,7 @@ class RunnerOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.block_size not in (16, 32, 64):
+        if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
         if not 0.1 <= self.memory_fraction <= 0.98:
             raise ValueError(f"memory_fraction {self.memory_fraction} is outside [0.1, 0.98]")
@@ -51,12 +60,16 @@ class RunnerOptions:
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    max_batched_tokens: int = 2048
+    """How the engine batches and steps."""
+
+    max_batched_tokens: int = field(default=2048, metadata=about(
+        "tokens per engine step: decodes plus prefill chunks"))
     #: Log probabilities with this many alternatives for every sequence (-1: only
     #: for the requests that ask).
     top_logprobs: int = -1
-    #: Build and launch the next step while the GPU runs this one (ModelEngine.step).
-    overlap: bool = True
+    # Build and launch the next step while the GPU runs this one (ModelEngine.step).
+    overlap: bool = field(default=True, metadata=about(
+        "launch the next step while the GPU runs this one (see docs/gpu.md)"))
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -69,21 +82,28 @@ class EngineOptions:
 class ModelPeerOptions:
     """``dpu-frontend model-peer``: the model, where it runs, how it batches."""
 
-    #: A config.json (or a directory with one); None: the checkpoint's, else Qwen3-0.6B's.
-    config: Path | None
-    runner: RunnerOptions
-    engine: EngineOptions
-    #: Who writes the response records: "gpu", the record writer kernel behind each
-    #: step (dpu_frontend/model/publish.py); "host", the peer's Python loop.
-    records: str = "gpu"
-    #: A prebuilt libdpuf_records.so; None: built with nvcc on first use.
-    records_library: Path | None = None
-    #: Who runs the engine loop: "host", this process (model/peer.py, the baseline);
-    #: "gpu", a persistent scheduler kernel that launches each step itself
-    #: (model/gpu_scheduler.py), the host out of the token path.
-    scheduler: str = "host"
-    #: A prebuilt libdpuf_sched.so; None: built with nvcc on first use.
-    scheduler_library: Path | None = None
+    #: A config.json (or a directory with one).
+    config: Path | None = field(default=None, metadata=about(
+        "config.json of the model", flag="--model-config", metavar="FILE",
+        none="the checkpoint's, else Qwen3-0.6B's shapes"))
+    runner: RunnerOptions = field(default_factory=RunnerOptions, metadata=flat())
+    engine: EngineOptions = field(default_factory=EngineOptions, metadata=flat())
+    # Who writes the response records: "gpu", the record writer kernel behind each
+    # step (dpu_frontend/model/publish.py); "host", the peer's Python loop.
+    records: str = field(default="gpu", metadata=about(
+        "who writes the response records: a GPU kernel behind each step (gpu), or the "
+        "host's loop (host, the baseline)", choices=RECORDS))
+    records_library: Path | None = field(default=None, metadata=about(
+        "a prebuilt libdpuf_records.so", metavar="SO", none="built with nvcc on first use"))
+    # Who runs the engine loop: "host", this process (model/peer.py, the baseline);
+    # "gpu", a persistent scheduler kernel that launches each step itself
+    # (model/gpu_scheduler.py), the host out of the token path.
+    scheduler: str = field(default="host", metadata=about(
+        "who runs the engine loop: this process (host, the baseline), or a persistent "
+        "kernel that launches every step from the GPU (gpu: no host CPU per token)",
+        choices=SCHEDULERS))
+    scheduler_library: Path | None = field(default=None, metadata=about(
+        "a prebuilt libdpuf_sched.so", metavar="SO", none="built with nvcc on first use"))
 
     def __post_init__(self) -> None:
         if self.records not in RECORDS:
@@ -97,56 +117,3 @@ class ModelPeerOptions:
                 raise ValueError("--scheduler gpu writes the records on the GPU: drop --records host")
             if self.runner.max_seqs > 1024:
                 raise ValueError("--scheduler gpu runs at most 1024 sequences a step")
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    r, e = RunnerOptions(), EngineOptions()
-    add = parser.add_argument
-    add("--weights", type=Path, default=None, metavar="DIR",
-        help="HF-layout safetensors checkpoint (default: seeded random weights: real "
-             "arithmetic, gibberish text)")
-    add("--model-config", type=Path, default=None, metavar="FILE",
-        help="config.json of the model (default: the checkpoint's, else Qwen3-0.6B's shapes)")
-    add("--dtype", choices=DTYPES, default=r.dtype)
-    add("--device", type=int, default=r.device, help="CUDA device index")
-    add("--weight-seed", type=int, default=r.weight_seed, help="seed of the random weights")
-    add("--max-seqs", type=int, default=r.max_seqs, help="sequences in a batch (default %(default)s)")
-    add("--max-model-len", type=int, default=r.max_model_len,
-        help="longest prompt + output, tokens (default %(default)s)")
-    add("--kv-blocks", type=int, default=r.num_blocks,
-        help="KV cache blocks, 0: what --memory-fraction of the GPU leaves (default %(default)s)")
-    add("--block-size", type=int, default=r.block_size, choices=(16, 32, 64),
-        help="tokens per KV block (default %(default)s)")
-    add("--memory-fraction", type=float, default=r.memory_fraction)
-    add("--max-batched-tokens", type=int, default=e.max_batched_tokens,
-        help="tokens per engine step: decodes plus prefill chunks (default %(default)s)")
-    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-        help="run every step eagerly")
-    add("--overlap", action=argparse.BooleanOptionalAction, default=e.overlap,
-        help="launch the next step while the GPU runs this one (default: %(default)s; "
-             "see docs/gpu.md)")
-    add("--records", choices=RECORDS, default="gpu",
-        help="who writes the response records: a GPU kernel behind each step (default), or "
-             "the host's loop (the baseline)")
-    add("--records-library", type=Path, default=None, metavar="SO",
-        help="a prebuilt libdpuf_records.so (default: built with nvcc on first use)")
-    add("--scheduler", choices=SCHEDULERS, default="host",
-        help="who runs the engine loop: this process (host, the baseline), or a persistent "
-             "kernel that launches every step from the GPU (gpu: no host CPU per token)")
-    add("--scheduler-library", type=Path, default=None, metavar="SO",
-        help="a prebuilt libdpuf_sched.so (default: built with nvcc on first use)")
-
-
-def model_peer_options(args: argparse.Namespace) -> ModelPeerOptions:
-    """From the parsed flags; a ValueError names what is wrong."""
-    runner = RunnerOptions(
-        dtype=args.dtype, device=args.device, weights=args.weights, weight_seed=args.weight_seed,
-        block_size=args.block_size, num_blocks=args.kv_blocks,
-        memory_fraction=args.memory_fraction, max_seqs=args.max_seqs,
-        max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
-    )
-    return ModelPeerOptions(args.model_config, runner,
-                            EngineOptions(max_batched_tokens=args.max_batched_tokens,
-                                          overlap=args.overlap),
-                            records=args.records, records_library=args.records_library,
-                            scheduler=args.scheduler, scheduler_library=args.scheduler_library)

@@ -496,7 +496,7 @@ class CudaRecordBackend:
 
     def launch(self, ops: np.ndarray, counts: tuple[int, int, int, int],
                drawn: StepTokens | None) -> Done:
-        from dpu_frontend.model.sampler import to_device
+        from dpu_frontend.model.layers.sampler import to_device
 
         torch = self._torch
         device_ops = to_device(torch.from_numpy(ops), self._device) if len(ops) else None

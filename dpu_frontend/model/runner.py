@@ -18,15 +18,17 @@ import numpy as np
 import torch
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.model import registry
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.graphs import StepGraphs
-from dpu_frontend.model.kernels import ATTN_ROWS
+from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
+from dpu_frontend.model.layers.sampler import Drawn, Sampler, SlotTokens, batch_params, to_device
 from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
+from dpu_frontend.model.models.base import Decoder
 from dpu_frontend.model.options import RunnerOptions
-from dpu_frontend.model.qwen3 import Attention, Qwen3, RotaryTable, Weights
-from dpu_frontend.model.sampler import Drawn, Sampler, batch_params, to_device
 from dpu_frontend.model.scheduler import Batch, Sequence
+from dpu_frontend.model.weights import Params
 
 log = logging.getLogger("dpu_frontend.model")
 
@@ -47,37 +49,44 @@ class ModelRunner:
         ``reserve``: bytes more to leave free of the KV cache (its sampler graphs)."""
         c, o = self.config, self.options
         torch.cuda.set_device(self.device)
+        table = registry.spec(c.architecture).weights
         if o.weights is None:
-            weights = Weights.random(c, self.dtype, self.device, o.weight_seed)
+            params = Params.random(table, c, self.dtype, self.device, o.weight_seed)
         else:
             with Checkpoint.scan(o.weights, c) as checkpoint:
-                weights = Weights.load(checkpoint, c, self.dtype, self.device)
+                params = Params.load(table, checkpoint, c, self.dtype, self.device)
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
         # One block more than the pool hands out: the scratch block where the padding
         # rows of a decode graph write their K and V.
         shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
-        k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        rotary = RotaryTable(c, o.max_model_len, self.dtype, self.device)
-        self.model = Qwen3(c, weights, k_cache, v_cache, rotary)
-        self.sampler = Sampler(c.vocab_size, self.device)
+        cache = KvCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.model: Decoder = registry.decoder_class(c.architecture)(c, params, cache, o.max_model_len)
+        self.sampler = Sampler(c.vocab_size, o.vocab_limit, self.device)
         self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
         # One row more than the slots: the GPU scheduler's padding rows draw into it.
         rows = o.max_seqs + 1
-        self.tokens = torch.zeros((rows, o.max_model_len), dtype=torch.int64, device=self.device)
-        self.counts = torch.zeros((rows, c.vocab_size), dtype=torch.int32, device=self.device)
-        self.in_prompt = torch.zeros((rows, c.vocab_size), dtype=torch.bool, device=self.device)
+        self.slots = SlotTokens(
+            tokens=torch.zeros((rows, o.max_model_len), dtype=torch.int64, device=self.device),
+            counts=torch.zeros((rows, c.vocab_size), dtype=torch.int32, device=self.device),
+            in_prompt=torch.zeros((rows, c.vocab_size), dtype=torch.bool, device=self.device))
         self.graphs: StepGraphs | None = None
         #: Steps by how they ran: replayed from a decode or a mixed graph, or eager.
         self.steps = {"decode graph": 0, "mixed graph": 0, "eager": 0}
         if o.cuda_graphs:
-            self.graphs = StepGraphs(self.model, self.tokens, o.max_seqs,
+            self.graphs = StepGraphs(self.model, self.slots.tokens, o.max_seqs,
                                        -(-o.max_model_len // o.block_size),
                                        scratch_slot=self.num_blocks * o.block_size,
                                        keep_graphs=keep_graphs)
             self.graphs.capture()
-        log.info("model loaded: %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)", c.num_layers,
-                 o.dtype, self.num_blocks, o.block_size, 2 * k_cache.numel() * k_cache.element_size() / 2**30)
+        log.info("model loaded: %s, %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)",
+                 c.architecture, c.num_layers, o.dtype, self.num_blocks, o.block_size,
+                 2 * cache.k.numel() * cache.k.element_size() / 2**30)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF's names (the tests hand them to ``transformers``)."""
+        table = registry.spec(self.config.architecture).weights
+        return self.model.params.state_dict(table, self.config)
 
     def _blocks_that_fit(self, extra: int) -> int:
         c, o = self.config, self.options
@@ -95,12 +104,13 @@ class ModelRunner:
     def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
         """A newly admitted sequence's prompt into its slot (and the penalties' state)."""
         ids = to_device(torch.tensor(prompt, dtype=torch.int64), self.device)
-        self.tokens[seq.slot, :len(prompt)] = ids
-        self.counts[seq.slot].zero_()
-        self.in_prompt[seq.slot].zero_()
+        state = self.slots
+        state.tokens[seq.slot, :len(prompt)] = ids
+        state.counts[seq.slot].zero_()
+        state.in_prompt[seq.slot].zero_()
         # index_fill_, not ``[slot, ids] = True``: that indexed store made its value a
         # tensor with a copy that waited for the stream (an overlapped step's whole graph).
-        self.in_prompt[seq.slot].index_fill_(0, ids, True)
+        state.in_prompt[seq.slot].index_fill_(0, ids, True)
         self.slot_params.set(seq.slot, seq.params, seq.seed)
 
     def step(self, batch: Batch, top_logprobs: int = -1,
@@ -127,23 +137,13 @@ class ModelRunner:
             logits = self.model.logits(hidden[sample_rows])
         if not samplers:
             return None
-        limit = self.options.vocab_limit
-        if 0 < limit < logits.shape[1]:
-            # Padding rows of the embedding are no token: never drawn, no probability.
-            logits[:, limit:] = float("-inf")
         n = len(samplers)
         rows = np.fromiter((x for s in samplers for x in (s.slot, s.generated, s.prompt_len)),
                            np.int64, 3 * n).reshape(n, 3).T
         params = batch_params(self.slot_params.rows(rows[0], rows[1]), self.device)
         # Each row's slot, and where its token goes there (the position after its last).
         where = to_device(torch.from_numpy(np.stack([rows[0], rows[1] + rows[2]])), self.device)
-        slots = where[0]
-        penalized = self.sampler.penalize(logits, params, slots, self.counts, self.in_prompt)
-        tokens = self.sampler.draw(penalized, params)
-        self.tokens[slots, where[1]] = tokens
-        self.counts[slots, tokens] += 1
-        drawn = (Drawn(tokens, None, None, None) if top_logprobs < 0
-                 else Sampler.logprobs(logits, tokens, top_logprobs))
+        drawn = self.sampler.step(logits, params, where[0], where[1], self.slots, top_logprobs)
         if publish is not None:
             publish(drawn)
         drawn.send_home(start)
@@ -157,4 +157,4 @@ class ModelRunner:
             return torch.from_numpy(a).to(self.device)
 
         attn = Attention(**{f.name: dev(getattr(step, f.name)) for f in fields(Attention)})
-        return attn, self.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)
+        return attn, self.slots.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)

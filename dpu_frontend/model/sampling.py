@@ -1,6 +1,6 @@
 """How a token is drawn from logits: the specification, and a NumPy reference.
 
-The engine samples on the GPU (``dpu_frontend.model.sampler``); this module is
+The engine samples on the GPU (``dpu_frontend.model.layers.sampler``); this module is
 the same algorithm written plainly, which the GPU sampler is tested against
 and which CI checks on its own. One row (one sequence, one step):
 
@@ -35,6 +35,7 @@ import numpy.typing as npt
 from dpu_frontend.ring.records import SamplingParams
 
 #: Temperatures below this are greedy: dividing by them overflows float32.
+#: scheduler.h's DPUF_GREEDY_BELOW (CI compares the float32 bits).
 GREEDY_BELOW = 1e-5
 #: Most top alternatives a response carries per token (OpenAI's limit is 20;
 #: the ring record carries 5).
@@ -123,6 +124,47 @@ def kept_probabilities(logits: F32, params: SamplingParams) -> F32:
     if params.min_p > 0.0:
         p = np.where(p >= np.float32(params.min_p) * p.max(), p, np.float32(0)).astype(np.float32)
     return p
+
+
+B = npt.NDArray[np.bool_]
+
+
+# The rules that decide which stages a batch needs: the host sampler skips the stages no
+# row needs, the GPU scheduler picks the sampler graph of the variant that covers its
+# batch. scheduler.h writes them once for C (DPUF_ROW_*, DPUF_SAMPLER_VARIANT), and
+# tests/unit/test_c_header.py evaluates both sides on every case. Elementwise: each
+# takes a step's rows as arrays (float32 parameters, as the request record carries them).
+
+def row_greedy(temperature: F32) -> B:
+    """Rows drawn greedily: the first index of the maximum."""
+    return np.asarray(temperature < np.float32(GREEDY_BELOW))
+
+
+def row_penalized(presence: F32, frequency: F32, repetition: F32) -> B:
+    """Rows whose penalties change their logits."""
+    return np.asarray((presence != 0) | (frequency != 0) | (repetition != 1))
+
+
+def row_cut(top_k: I64, top_p: F32, min_p: F32) -> B:
+    """Rows whose top-k, top-p or min-p may drop a token (``top_k`` 0: off)."""
+    return np.asarray((top_k != 0) | (top_p < 1) | (min_p > 0))
+
+
+#: The GPU scheduler's sampler graphs, cheapest first (scheduler.h's DPUF_SAMPLER_*).
+#: greedy: argmax; plain: temperature and the draw; full: penalties and every cut too;
+#: logprobs: full and the log probabilities.
+VARIANTS = ("greedy", "plain", "full", "logprobs")
+
+
+def variant_of(all_greedy: bool, any_penalty: bool, any_cut: bool, any_logprobs: bool) -> int:
+    """The cheapest variant whose stages cover a batch with these facts (an index of
+    ``VARIANTS``). Each stage leaves a row with neutral parameters bit for bit as it
+    was, so any covering variant draws every row's token as the host path does."""
+    if any_logprobs:
+        return VARIANTS.index("logprobs")
+    if any_penalty or any_cut:
+        return VARIANTS.index("full")
+    return VARIANTS.index("greedy" if all_greedy else "plain")
 
 
 def sample(logits: F32, params: SamplingParams, seed: int, step: int,

@@ -9,9 +9,10 @@ section "Layout record", is the byte-by-byte specification.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dpu_frontend.errors import LayoutMismatch
+from dpu_frontend.flags import about
 from dpu_frontend.ring.cstruct import CStruct
 
 MAGIC = b"DPUFRING"
@@ -269,17 +270,24 @@ class Geometry:
     A decode step emits one record per running sequence, so the response ring
     holds at least two steps of the largest batch (``resp_slots >= 2 *
     max_sequences``): the GPU can publish one step while the DPU reads the
-    previous one.
+    previous one. Each field is a flag of the peers (``flags.Flags``).
     """
 
-    channels: int = 1
-    req_slots: int = 256
-    arena_bytes: int = 4 << 20
-    resp_slots: int = 1024
-    resp_slot_size: int = MIN_LOGPROBS_SLOT_SIZE
-    max_sequences: int = 256
-    max_prompt_tokens: int = 0  # 0: the whole arena
-    logprobs: bool = True  # the GPU side computes log probabilities (FEATURE_LOGPROBS)
+    channels: int = field(default=1, metadata=about("ring pairs (one per daemon worker)"))
+    req_slots: int = field(default=256, metadata=about("request slots per channel"))
+    arena_bytes: int = field(default=4 << 20, metadata=about(
+        f"bytes of a channel's prompt arena, a multiple of {ALIGN}"))
+    resp_slots: int = field(default=1024, metadata=about(
+        "response slots per channel, >= 2 x --max-sequences"))
+    resp_slot_size: int = field(default=MIN_LOGPROBS_SLOT_SIZE, metadata=about(
+        "bytes per response record"))
+    max_sequences: int = field(default=256, metadata=about(
+        "sequences a channel runs at once"))
+    max_prompt_tokens: int = field(default=0, metadata=about(
+        "longest prompt taken, 0: the whole arena"))
+    # The GPU side computes log probabilities (FEATURE_LOGPROBS).
+    logprobs: bool = field(default=True, metadata=about(
+        f"offer log probabilities (needs --resp-slot-size >= {MIN_LOGPROBS_SLOT_SIZE})"))
 
     def __post_init__(self) -> None:
         if self.channels < 1:

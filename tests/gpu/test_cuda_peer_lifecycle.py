@@ -6,6 +6,7 @@ import asyncio
 import re
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -89,7 +90,8 @@ async def test_cancel_on_disconnect_reaches_the_kernel() -> None:
         assert stats["completed"] == before["completed"] + 1
 
 
-async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
+async def test_launcher_killed_and_restarted_gives_a_new_epoch(
+        healthy: Callable[[Stack], Awaitable[None]]) -> None:
     with running_stack("shm", timeout=TIMEOUT, peer_command="gpu-peer",
                        peer_args=GPU_ARGS) as stack:
         first = await channel(stack)
@@ -97,12 +99,7 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
         # tokenizer's 131,072) keeps both requests open past the kill.
         await check_peer_killed_mid_stream(stack, max_tokens=130_000)
         stack.peers[0].restart()
-        async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                async with session.get(f"{stack.base_url}/health") as health:
-                    if health.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await healthy(stack)
         second = await channel(stack)
         assert second["attached"] and second["epoch"] != first["epoch"]
         await check_stream_equals_full_and_decode(stack)

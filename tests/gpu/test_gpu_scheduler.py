@@ -13,22 +13,21 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-import torch
 
+from dpu_frontend.config import ServeConfig
 from dpu_frontend.control.stats import peer_report
-from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.engine.session import PeerSession
 from dpu_frontend.model.engine import ModelEngine
-from dpu_frontend.model.options import EngineOptions, RunnerOptions
-from dpu_frontend.model.runner import ModelRunner
-from dpu_frontend.ring.records import SamplingParams
+from dpu_frontend.ring.records import FinishReason, ResponseRecord, SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.integration.scenarios import check_peer_killed_mid_stream
+from tests.raw_ring import poll_until_final, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -43,18 +42,8 @@ WIDE = ("--scheduler", "gpu", "--max-seqs", "256", "--max-model-len", "1024", "-
         "2048", "--weight-seed", str(SEED), *RING)
 
 
-@pytest.fixture(scope="module")
-def offline() -> Iterator[ModelEngine]:
-    """The host-driven engine on the same weights: what every answer must equal."""
-    config = ModelConfig.default()
-    vocab = Vocabulary.load(default_tokenizer_dir())
-    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=128, max_seqs=16,
-                                               max_model_len=512,
-                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
-    runner.load()
-    yield ModelEngine(config, runner, EngineOptions())
-    del runner
-    torch.cuda.empty_cache()
+#: The host-driven engine's sizes (conftest's ``offline``, on the same weights).
+OFFLINE = {"num_blocks": 128, "max_seqs": 16, "max_model_len": 512}
 
 
 async def report(stack: Stack) -> dict[str, Any]:
@@ -133,7 +122,8 @@ async def test_a_thousand_concurrent_streams() -> None:
           f"{kernel['steps']} steps, {kernel['sampled']} tokens drawn")
 
 
-async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
+async def test_launcher_killed_and_restarted_gives_a_new_epoch(
+        healthy: Callable[[Stack], Awaitable[None]]) -> None:
     """kill -9 of the launcher while the scheduler runs: the daemon ends the open
     stream with an error and refuses the waiting request; the restarted launcher
     (the GPU usable again) serves a new epoch."""
@@ -142,12 +132,8 @@ async def test_launcher_killed_and_restarted_gives_a_new_epoch() -> None:
         first = (await report(stack))["channels"][0]
         await check_peer_killed_mid_stream(stack, max_tokens=400)
         stack.peers[0].restart()
+        await healthy(stack)
         async with aiohttp.ClientSession() as session:
-            for _ in range(6000):
-                async with session.get(f"{stack.base_url}/health") as health:
-                    if health.status == 200:
-                        break
-                await asyncio.sleep(0.1)
             second = (await report(stack))["channels"][0]
             assert second["attached"] and second["epoch"] != first["epoch"]
             answer = await complete(session, stack, {"prompt": "After the restart",
@@ -188,3 +174,49 @@ def test_sigterm_stops_the_scheduler() -> None:
                        peer_args=SMALL_KV) as stack:
         stack.peer.send_signal(signal.SIGTERM)
         assert stack.peer.wait(timeout=60) == 0
+
+
+async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) -> None:
+    """A raw client on a second channel writes what a daemon never does: a record of an
+    unknown kind and a second GENERATE with a running request's id are counted bad and
+    skipped, a prompt holding an id past the vocabulary ends with an error record (the
+    request fails alone), and a request after them is answered as the host engine
+    answers it. The scheduler's intake (the ring's shared walk) takes each in turn."""
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
+        address = stack.peer_address()
+        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
+                                            address)
+        try:
+            before = await report(stack)
+            await write_unknown_kind(session, 1, [11, 12, 13])
+            running = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+            session.channel.submit(2, [21, 22, 23], running)
+            session.channel.submit(2, [24, 25], running)  # its id is running: bad
+            session.channel.submit(3, [31, 1 << 30], SamplingParams(max_tokens=4))
+            greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+            session.channel.submit(4, [41, 42, 43], greedy)
+            seen: list[ResponseRecord] = []
+            for request in (3, 4, 2):
+                if not any(r.request_id == request and r.final for r in seen):
+                    seen += await poll_until_final(session, request, limit=120)
+            after = await report(stack)
+        finally:
+            await session.close()
+        refused = [r for r in seen if r.request_id == 3]
+        assert [(r.finish, r.tokens) for r in refused] == [(FinishReason.ERROR, ())]
+        want = offline.generate([[41, 42, 43]], [greedy])[0].tokens
+        assert [t for r in seen if r.request_id == 4 for t in r.tokens] == want
+        assert [t for r in seen if r.request_id == 2 for t in r.tokens] == \
+            offline.generate([[21, 22, 23]], [running])[0].tokens
+        mine = session.channel_index
+        was, now = before["channels"][mine], after["channels"][mine]
+        assert now["bad_records"] == was["bad_records"] + 2
+        assert now["records"] == was["records"] + 5
+        assert after["kernel"]["refused"] == before["kernel"]["refused"] + 1
+        async with aiohttp.ClientSession() as http:  # the daemon's channel still serves
+            answer = await complete(http, stack, {"prompt": "After them", "max_tokens": 8,
+                                                  "temperature": 0.0})
+        assert answer["usage"]["completion_tokens"] >= 1
+    print("unknown kind and duplicate id counted bad, an id past the vocabulary refused "
+          "with an error record, the requests around them served as the host engine")

@@ -16,10 +16,10 @@ import transformers
 
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
 from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.model.layers.sampler import batch_params
 from dpu_frontend.model.metadata import SamplingRows
 from dpu_frontend.model.options import EngineOptions, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
-from dpu_frontend.model.sampler import batch_params
 from dpu_frontend.model.sampling import sample as reference_sample
 from dpu_frontend.model.scheduler import Batch, Work
 from dpu_frontend.ring.records import SamplingParams
@@ -82,7 +82,7 @@ def fp32_engine() -> Iterator[ModelEngine]:
 def test_float32_greedy_matches_transformers(fp32_engine: ModelEngine) -> None:
     ps = prompts(16, SEED)
     ours = fp32_engine.generate(ps, [greedy(64)] * len(ps))
-    model = hf_model(QWEN3_0_6B, fp32_engine.runner.model.weights.state_dict(fp32_engine.config),
+    model = hf_model(QWEN3_0_6B, fp32_engine.runner.state_dict(),
                      torch.float32)
     excused, worst = 0, 0.0
     for i, prompt in enumerate(ps):
@@ -113,7 +113,7 @@ def test_logprobs_match_transformers_log_softmax(fp32_engine: ModelEngine) -> No
     of the same teacher-forced sequence, both in float32."""
     ps = prompts(4, SEED + 9)
     outs = fp32_engine.generate(ps, [replace(greedy(16), logprobs=5)] * len(ps))
-    model = hf_model(QWEN3_0_6B, fp32_engine.runner.model.weights.state_dict(fp32_engine.config),
+    model = hf_model(QWEN3_0_6B, fp32_engine.runner.state_dict(),
                      torch.float32)
     worst, same_top = 0.0, 0
     for prompt, out in zip(ps, outs, strict=True):
@@ -136,7 +136,7 @@ def test_logprobs_match_transformers_log_softmax(fp32_engine: ModelEngine) -> No
 def test_bfloat16_teacher_forced_logits_match_transformers() -> None:
     eng = engine("bfloat16", num_blocks=256)
     seqs = prompts(4, SEED + 1, low=200, high=400)
-    model = hf_model(QWEN3_0_6B, eng.runner.model.weights.state_dict(eng.config), torch.bfloat16)
+    model = hf_model(QWEN3_0_6B, eng.runner.state_dict(), torch.bfloat16)
     worst_abs, mean_abs, agree, clear, total = 0.0, [], 0, 0, 0
     for i, ids in enumerate(seqs):
         mine = full_logits(eng, ids, slot=i)

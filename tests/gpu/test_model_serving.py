@@ -9,13 +9,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from openai import OpenAI
 
-from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
-from dpu_frontend.model.options import EngineOptions, RunnerOptions
-from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.ring.records import SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -43,17 +39,8 @@ def model_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture(scope="module")
-def offline() -> Iterator[ModelEngine]:
-    config = ModelConfig.default()
-    vocab = Vocabulary.load(default_tokenizer_dir())
-    runner = ModelRunner(config, RunnerOptions(weight_seed=SEED, num_blocks=256, max_seqs=8,
-                                               max_model_len=2048,
-                                               vocab_limit=vocab.tokenizer.get_vocab_size()))
-    runner.load()
-    yield ModelEngine(config, runner, EngineOptions())
-    del runner
-    torch.cuda.empty_cache()
+#: The host-driven engine's sizes (conftest's ``offline``, on the same weights).
+OFFLINE = {"num_blocks": 256, "max_seqs": 8, "max_model_len": 2048}
 
 
 def client(stack: Stack) -> OpenAI:

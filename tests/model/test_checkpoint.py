@@ -140,3 +140,20 @@ def test_truncated_and_absent_files(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x"}}))
     with pytest.raises(StartupError, match="is not a file name"):
         Checkpoint.scan(tmp_path, TINY)
+
+
+#: Qwen3's tensors of one layer, as HF names them (the table must declare exactly these).
+QWEN3_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+               "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def test_the_qwen3_table_names_hf_tensors() -> None:
+    h, d, i, q, kv = 16, 64, 32, 128, 64
+    want = {"model.embed_tokens.weight": (50, h), "model.norm.weight": (h,)}
+    for n in range(2):
+        shapes = dict(zip(QWEN3_LAYER, [(h,), (h,), (q, h), (kv, h), (kv, h), (h, q), (d,), (d,),
+                                        (i, h), (i, h), (h, i)], strict=True))
+        want |= {f"model.layers.{n}.{name}.weight": shape for name, shape in shapes.items()}
+    assert expected_shapes(TINY) == want
+    assert TINY.parameter_count() == sum(int(np.prod(s)) for s in want.values())

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from dpu_frontend.errors import StartupError
+from dpu_frontend.model import registry
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
 
 
@@ -36,7 +37,10 @@ def test_head_dim_defaults_to_hidden_over_heads() -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"model_type": "llama"}, "model_type 'llama' is not served"),
+    ({"model_type": "llama"}, "model_type 'llama' does not match the architecture's"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not served; this engine runs"),
+    ({"architectures": "Qwen3ForCausalLM"}, "architectures must name one architecture"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"attention_bias": True}, "attention_bias"),
@@ -64,3 +68,21 @@ def test_missing_field_and_bad_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(StartupError, match="a JSON object"):
         ModelConfig.load(tmp_path)
+
+
+def test_a_config_without_architectures_is_taken_by_its_model_type() -> None:
+    data = {k: v for k, v in QWEN3_0_6B.items() if k != "architectures"}
+    config = ModelConfig.from_dict(data, "x")
+    assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm
+    with pytest.raises(StartupError, match="no architectures, and model_type 'mystery'"):
+        ModelConfig.from_dict(data | {"model_type": "mystery"}, "x")
+
+
+def test_every_served_architecture_has_a_decoder_module() -> None:
+    """Each registry line names a module of ``dpu_frontend/model/models`` and a class in
+    it (read from the source: CI has no torch to import it with)."""
+    models = Path(registry.__file__).parent / "models"
+    for name, spec in registry.MODELS.items():
+        module, _, cls = spec.implementation.partition(":")
+        source = (models / f"{module}.py").read_text()
+        assert f"class {cls}" in source, name

@@ -102,3 +102,28 @@ def test_slot_params_gather_what_the_rows_say() -> None:
 def test_a_slot_never_set_draws_without_penalties_or_cuts() -> None:
     rows = SlotParams(4, 1000).rows(np.array([2, 3]), np.array([0, 0]))
     assert not (rows.any_penalty or rows.any_top_k or rows.any_top_p or rows.any_min_p)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_chosen_variant_runs_every_stage_its_rows_need(seed: int) -> None:
+    """The GPU scheduler's sampler graph for a batch (``SamplingRows.variant``) runs at
+    least the stages the host path would run for it (``stages_of``), and no fuller
+    variant is chosen where a cheaper one covers the batch."""
+    rng = random.Random(seed)
+    rows = [(SamplingParams(max_tokens=1, temperature=rng.choice((0.0, 0.7)),
+                            top_p=rng.choice((1.0, 1.0, 0.9)), top_k=rng.choice((0, 0, 5)),
+                            min_p=rng.choice((0.0, 0.0, 0.1)),
+                            presence_penalty=rng.choice((0.0, 0.0, 0.5)),
+                            repetition_penalty=rng.choice((1.0, 1.0, 1.2))), seed, 0)
+            for _ in range(rng.randint(1, 6))]
+    facts = SamplingRows.from_params(rows, 1000)
+    for logprobs in (False, True):
+        variant = facts.variant(logprobs)
+        runs = SamplingRows.stages_of(variant, 1000)
+        needs = (facts.any_top_k, facts.any_top_p, facts.any_min_p, facts.any_penalty)
+        assert all(r or not n for r, n in zip(
+            (runs.any_top_k, runs.any_top_p, runs.any_min_p, runs.any_penalty), needs, strict=True))
+        assert runs.all_greedy <= facts.all_greedy
+        assert (variant == "logprobs") == logprobs
+        if not logprobs and not any(needs):
+            assert variant == ("greedy" if facts.all_greedy else "plain")

@@ -9,7 +9,6 @@ the test.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ctypes
 import importlib.util
@@ -25,7 +24,7 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
 from dpu_frontend.gpu.library import DeviceInfo
 from dpu_frontend.model.device.sched_core import SchedulerLibrary
-from dpu_frontend.model.options import add_model_arguments, model_peer_options
+from dpu_frontend.model.options import ModelPeerOptions, RunnerOptions
 from dpu_frontend.peer import region as region_mod
 from dpu_frontend.transport.verbs import compat
 from dpu_frontend.transport.verbs.device import GidEntry
@@ -107,11 +106,8 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Machine:
 
 
 def start(model_peer: ModuleType, transport: str, tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    options = model_peer_options(parser.parse_args(
-        ["--scheduler", "gpu", "--scheduler-library", str(tmp_path / "libdpuf_sched.so"),
-         "--device", "1"]))
+    options = ModelPeerOptions(runner=RunnerOptions(device=1), scheduler="gpu",
+                               scheduler_library=tmp_path / "libdpuf_sched.so")
     peer = PeerConfig(transport=transport, shm_path=tmp_path / "region")
     asyncio.run(model_peer.run_model_peer(peer, options))
 

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
+from dpu_frontend.cli import MODEL_OPTIONS
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.model.events import EngineStats, TokenEvent
-from dpu_frontend.model.options import add_model_arguments, model_peer_options
+from dpu_frontend.model.options import ModelPeerOptions
 from dpu_frontend.model.publish import RingRecords, Target
 from dpu_frontend.model.source import EngineHub, ModelSource
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel
@@ -154,31 +155,32 @@ def test_a_busy_engine_steps_back_to_back_and_an_idle_one_every_tick(
     assert failure is not None and "enough ticks" in failure
 
 
-def parse(*argv: str) -> argparse.Namespace:
+def model_options(*argv: str) -> ModelPeerOptions:
+    """What ``model-peer``'s own flags build from ``argv``."""
     parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    return parser.parse_args(list(argv))
+    MODEL_OPTIONS.add_to(parser)
+    return MODEL_OPTIONS.build(parser.parse_args(list(argv)))
 
 
 def test_model_peer_flags() -> None:
-    options = model_peer_options(parse("--dtype", "float32", "--kv-blocks", "100",
-                                       "--max-batched-tokens", "512", "--no-cuda-graphs"))
+    options = model_options("--dtype", "float32", "--kv-blocks", "100",
+                            "--max-batched-tokens", "512", "--no-cuda-graphs")
     assert options.runner.dtype == "float32" and options.runner.num_blocks == 100
     assert not options.runner.cuda_graphs and options.engine.max_batched_tokens == 512
-    assert options.engine.overlap and not model_peer_options(parse("--no-overlap")).engine.overlap
+    assert options.engine.overlap and not model_options("--no-overlap").engine.overlap
     with pytest.raises(ValueError, match="memory_fraction"):
-        model_peer_options(parse("--memory-fraction", "0.01"))
+        model_options("--memory-fraction", "0.01")
     with pytest.raises(ValueError, match="max_batched_tokens"):
-        model_peer_options(parse("--max-batched-tokens", "0"))
+        model_options("--max-batched-tokens", "0")
 
 
 def test_scheduler_flags() -> None:
     """``--scheduler gpu`` and what it cannot go with, refused before a GPU is touched."""
-    assert model_peer_options(parse()).scheduler == "host"
-    options = model_peer_options(parse("--scheduler", "gpu", "--scheduler-library", "/x.so"))
+    assert model_options().scheduler == "host"
+    options = model_options("--scheduler", "gpu", "--scheduler-library", "/x.so")
     assert options.scheduler == "gpu" and str(options.scheduler_library) == "/x.so"
     for flags, why in ((("--no-cuda-graphs",), "captured steps"),
                        (("--records", "host"), "records on the GPU"),
                        (("--max-seqs", "1025"), "1024 sequences")):
         with pytest.raises(ValueError, match=why):
-            model_peer_options(parse("--scheduler", "gpu", *flags))
+            model_options("--scheduler", "gpu", *flags)

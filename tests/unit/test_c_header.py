@@ -20,12 +20,14 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dpu_frontend
 from dpu_frontend.gpu.library import CudaLibrary, DeviceInfo
 from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, PeerLibrary, PeerParams
 from dpu_frontend.model import publish as publish_mod
+from dpu_frontend.model import sampling
 from dpu_frontend.model.device import RECORDS, SCHED_HOST, SCHEDULER, sched_core
 from dpu_frontend.model.device.sched_core import (
     ModelParams,
@@ -92,8 +94,8 @@ CONSTANTS = {
     **{f"DPUF_WRITER_{name}": code for code, name in (
         (1, "RING_FULL"), (2, "NO_LOGPROBS"), (3, "BAD_SLOT"))},
     # the scheduler inside the GPU (scheduler.h, sched_core.h, dpu_frontend/model/device/sched_core.py)
-    **{f"DPUF_SAMPLER_{v.upper()}": i for i, v in enumerate(sched_core.VARIANTS)},
-    "DPUF_MODEL_VARIANTS": len(sched_core.VARIANTS), "DPUF_MODEL_MAX_EOS": sched_core.MAX_EOS,
+    **{f"DPUF_SAMPLER_{v.upper()}": i for i, v in enumerate(sampling.VARIANTS)},
+    "DPUF_MODEL_VARIANTS": len(sampling.VARIANTS), "DPUF_MODEL_MAX_EOS": sched_core.MAX_EOS,
     **{f"DPUF_MODEL_ERR_{name}": code for code, name in (
         (1, "NO_GRAPH"), (2, "LAUNCH"), (3, "WRITER"))},
     "DPUF_SCHED_OK": sched_core.OK, "DPUF_SCHED_FULL": sched_core.FULL,
@@ -260,6 +262,49 @@ def test_the_sources_are_package_data(sources: CudaSources) -> None:
     for path in sources.files():
         relative = path.relative_to(root).as_posix()
         assert any(fnmatch.fnmatch(relative, glob) for glob in package_data), relative
+
+
+#: Rows around every edge of the sampler's rules: temperature, top_p, min_p, presence,
+#: frequency, repetition (float32, as the request record carries them) and top_k.
+RULE_ROWS = [(t, p, m, pr, fr, rep, k)
+             for t in (0.0, 9e-6, 1e-5, 1.1e-5, 1.0)
+             for p, m, k in ((1.0, 0.0, 0), (0.999, 0.0, 0), (1.0, 1e-7, 0), (1.0, 0.0, 1))
+             for pr, fr, rep in ((0.0, 0.0, 1.0), (-0.0, 0.0, 1.0), (1e-7, 0.0, 1.0),
+                                 (0.0, -2.0, 1.0), (0.0, 0.0, 1.0000001))]
+
+
+def test_the_sampler_rules_are_the_same_in_c_and_python(tmp_path: Path) -> None:
+    """scheduler.h's DPUF_GREEDY_BELOW, DPUF_ROW_* and DPUF_SAMPLER_VARIANT, evaluated by
+    the C compiler on every edge case and every combination of facts, against
+    ``sampling``'s rules: the GPU scheduler picks a batch's sampler graph by the same
+    rule the host path skips stages by."""
+    rows = "\n".join(
+        f"{{ float t = {t!r}f, p = {p!r}f, m = {m!r}f, pr = {pr!r}f, fr = {fr!r}f, "
+        f"rep = {rep!r}f; long long k = {k}; printf(\"%d %d %d\\n\", DPUF_ROW_GREEDY(t) ? 1 : 0, "
+        "DPUF_ROW_PENALIZED(pr, fr, rep) ? 1 : 0, DPUF_ROW_CUT(k, p, m) ? 1 : 0); }"
+        for t, p, m, pr, fr, rep, k in RULE_ROWS)
+    program = "\n".join([
+        "#include <stdio.h>", "#include <string.h>", '#include "scheduler.h"', "int main(void) {",
+        "float below = DPUF_GREEDY_BELOW; unsigned int bits; memcpy(&bits, &below, 4);",
+        'printf("%08x\\n", bits);',
+        "for (int f = 0; f < 16; f++)",
+        '    printf("%u\\n", (unsigned)DPUF_SAMPLER_VARIANT(f & 1, f >> 1 & 1, f >> 2 & 1, f >> 3 & 1));',
+        rows, "return 0; }"])
+    source, binary = tmp_path / "rules.c", tmp_path / "rules"
+    source.write_text(program)
+    subprocess.run([_compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror",
+                    *(f"-I{d}" for d in SCHEDULER.dirs), str(source), "-o", str(binary)], check=True)
+    out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
+    assert out[0] == np.float32(sampling.GREEDY_BELOW).view(np.uint32).item().to_bytes(4, "big").hex()
+    for f in range(16):
+        facts = (bool(f & 1), bool(f >> 1 & 1), bool(f >> 2 & 1), bool(f >> 3 & 1))
+        assert int(out[1 + f]) == sampling.variant_of(*facts), facts
+    for i, (t, p, m, pr, fr, rep, k) in enumerate(RULE_ROWS):
+        f32 = [np.array([x], np.float32) for x in (t, p, m, pr, fr, rep)]
+        python = (int(sampling.row_greedy(f32[0])[0]),
+                  int(sampling.row_penalized(f32[3], f32[4], f32[5])[0]),
+                  int(sampling.row_cut(np.array([k], np.int64), f32[1], f32[2])[0]))
+        assert tuple(map(int, out[17 + i].split())) == python, RULE_ROWS[i]
 
 
 @pytest.mark.parametrize(("binding", "sources", "header"), [

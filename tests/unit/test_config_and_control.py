@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dpu_frontend.cli import build_parser, peer_config
+from dpu_frontend.cli import MODEL_PEER, PEER, build_parser
 from dpu_frontend.config import PeerAddress, PeerConfig, ServeConfig
 from dpu_frontend.control import messages
 from dpu_frontend.errors import LayoutMismatch, PeerError
@@ -106,8 +106,8 @@ async def test_truncated_frame_is_a_peer_error() -> None:
 
 
 def test_the_host_driven_peers_take_a_heartbeat_period() -> None:
-    for command in ("peer", "model-peer"):
+    for command, flags in (("peer", PEER), ("model-peer", MODEL_PEER)):
         args = build_parser().parse_args([command, "--heartbeat", "0.02", "--tick", "0.005"])
-        config = peer_config(args)
+        config = flags.build(args)
         assert (config.heartbeat_s, config.tick_s) == (0.02, 0.005)
-    assert peer_config(build_parser().parse_args(["peer"])).heartbeat_s == PeerConfig().heartbeat_s
+    assert PEER.build(build_parser().parse_args(["peer"])).heartbeat_s == PeerConfig().heartbeat_s

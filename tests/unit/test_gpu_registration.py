@@ -14,8 +14,8 @@ import pytest
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu import registration
-from dpu_frontend.gpu.launcher import GpuPeerConfig
 from dpu_frontend.gpu.library import DeviceInfo, PersistentLibrary
+from dpu_frontend.gpu.options import GpuPeerConfig
 from dpu_frontend.gpu.runtime import PEER_SOURCES, PeerLibrary, build_command, find_nvcc
 from dpu_frontend.model.device.sched_core import SchedulerLibrary
 from dpu_frontend.transport.verbs import compat

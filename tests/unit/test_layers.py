@@ -21,7 +21,7 @@ PACKAGE = Path(dpu_frontend.__file__).parent
 
 #: Lowest first. Same rank: neither may import the other.
 RANKS: dict[str, int] = {
-    "__init__": 0, "errors": 0,
+    "__init__": 0, "errors": 0, "flags": 0,
     "ring": 1,
     "config": 2, "metrics": 2, "logs": 2, "sdnotify": 2, "lifecycle": 2, "private": 2,
     "control": 3, "text": 3, "transport": 3, "settings": 3,
@@ -74,6 +74,57 @@ def violations(source: str, names: set[str]) -> list[str]:
             found.append(f"{source} imports {name}: the daemon and the GPU side meet only "
                          "in the ring protocol and the control messages")
     return found
+
+
+#: Inside ``model``: the pure parts (no torch: scheduling, step metadata, sampling's
+#: specification, the device code's twins), the layers, what names a model (its spec,
+#: config, checkpoint, weights, the decoders), then what drives the GPU. A module imports
+#: only from its own rank or below: the layers never name a model, a model never reaches
+#: the runner that drives it.
+MODEL_RANKS: dict[str, int] = {
+    "__init__": 0, "sampling": 0, "blocks": 0, "scheduler": 0, "options": 0,
+    "metadata": 0, "device": 0,
+    "layers": 1,
+    "config": 2, "registry": 2, "checkpoint": 2, "weights": 2, "models": 2,
+    "runner": 3, "graphs": 3, "engine": 3, "events": 3, "gpu_scheduler": 3, "publish": 3, "source": 3,
+    "peer": 3,
+}
+
+
+def model_part(module: str) -> str | None:
+    """``dpu_frontend.model.layers.linear`` -> ``layers``; None outside ``model``."""
+    parts = module.split(".")
+    if parts[:2] != ["dpu_frontend", "model"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def model_violations(source: str, names: set[str]) -> list[str]:
+    """``source``: a part of ``model`` (``MODEL_RANKS``' keys)."""
+    found = []
+    for name in sorted(names):
+        target = model_part(name)
+        if target is None:
+            continue
+        if target not in MODEL_RANKS:
+            found.append(f"model.{source} imports {name}, which has no rank in MODEL_RANKS")
+        elif MODEL_RANKS[target] > MODEL_RANKS[source]:
+            found.append(f"model.{source} (rank {MODEL_RANKS[source]}) imports {name} "
+                         f"(rank {MODEL_RANKS[target]})")
+    return found
+
+
+def test_inside_the_model_the_layers_are_below_the_models() -> None:
+    model = PACKAGE / "model"
+    parts = {path.relative_to(model).parts[0].removesuffix(".py"): path
+             for path in sorted(model.rglob("*.py"))}
+    assert set(parts) <= set(MODEL_RANKS)
+    found = [f"{path.relative_to(PACKAGE)}: {v}" for path in sorted(model.rglob("*.py"))
+             for v in model_violations(path.relative_to(model).parts[0].removesuffix(".py"),
+                                       imported(path))]
+    assert found == []
+    assert model_violations("layers", {"dpu_frontend.model.models.qwen3"}) != []
+    assert model_violations("models", {"dpu_frontend.model.runner"}) != []
 
 
 def modules() -> list[tuple[str, Path]]:

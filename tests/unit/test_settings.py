@@ -15,7 +15,7 @@ import pytest
 
 import dpu_frontend.cli
 import dpu_frontend.settings
-from dpu_frontend.cli import build_parser, peer_config, serve_config
+from dpu_frontend.cli import PEER, build_parser, gpu_peer_flags, serve_config
 from dpu_frontend.config import (
     DEFAULT_PEER,
     LoggingConfig,
@@ -23,10 +23,11 @@ from dpu_frontend.config import (
     PeerConfig,
     RdmaConfig,
     ServeConfig,
-    doc,
 )
-from dpu_frontend.gpu.launcher import GPU_GEOMETRY, GpuPeerConfig, gpu_peer_config
+from dpu_frontend.flags import doc
+from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
 from dpu_frontend.logs import JsonFormatter, RequestIdFilter, request_id
+from dpu_frontend.model.options import EngineOptions, ModelPeerOptions
 from dpu_frontend.ring import Geometry
 from dpu_frontend.settings import PARSERS, SETTINGS, build
 
@@ -184,11 +185,9 @@ def test_flags_are_parsed_like_the_environment(tmp_path: Path,
 
 
 def test_peer_flags_default_to_the_peer_config() -> None:
-    assert peer_config(build_parser().parse_args(["peer"])) == PeerConfig()
-    gpu_args = build_parser().parse_args(["gpu-peer"])
-    gpu = peer_config(gpu_args)
-    assert gpu == PeerConfig(geometry=GPU_GEOMETRY)
-    assert gpu_peer_config(gpu_args, gpu) == GpuPeerConfig(peer=gpu)
+    assert PEER.build(build_parser().parse_args(["peer"])) == PeerConfig()
+    gpu = gpu_peer_flags().build(build_parser().parse_args(["gpu-peer"]))
+    assert gpu == GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY))
     assert build_parser().parse_args(["peer-stats"]).peer == str(DEFAULT_PEER)
     assert build_parser().parse_args(["demo"]).port == ServeConfig().port
     assert PeerConfig().geometry == Geometry()
@@ -196,7 +195,8 @@ def test_peer_flags_default_to_the_peer_config() -> None:
 
 def test_defaults_are_written_once() -> None:
     """No default of a config field is copied, as a literal, into the CLI or the loader."""
-    defaults = {f.default for cls in (ServeConfig, RdmaConfig, LoggingConfig, PeerConfig)
+    defaults = {f.default for cls in (ServeConfig, RdmaConfig, LoggingConfig, PeerConfig,
+                                      Geometry, GpuPeerConfig, EngineOptions, ModelPeerOptions)
                 for f in fields(cls) if isinstance(f.default, int | float | str)}
     defaults |= {DEFAULT_PEER.host, DEFAULT_PEER.port}
     # Small integers are everywhere (exit codes, indices): too common to tell.

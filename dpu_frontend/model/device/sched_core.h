@@ -26,6 +26,11 @@
  * allocates: host memory for the tests, device memory for the kernel.
  * Nothing here allocates, blocks or fails silently: every entry point
  * returns a DPUF_SCHED_* code.
+ *
+ * Where the kernel spreads a step's work over its threads, this file offers
+ * the per-work piece (dpuf_sched_commit_work, dpuf_sched_fill_work) and the
+ * serial wrappers of the host build loop over the same pieces: the code CI
+ * tests is the code the GPU runs, whichever loop calls it.
  */
 #ifndef DPUF_SCHED_CORE_H
 #define DPUF_SCHED_CORE_H
@@ -404,15 +409,20 @@ DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
     for (int32_t i = n_held - 1; i >= 0; i--) dpuf_sched_push_front(s, s->scratch[i]);
 }
 
-/* The step ran: its KV is in the cache, each sampling sequence has one more token. */
+/* Work i ran: its KV is in the cache and, if it samples, its sequence has one
+ * more token. A sequence is in one work at most, so the works of a step may
+ * be committed in any order, by any threads (the kernel strides over them). */
+DPUF_SCHED_FN void dpuf_sched_commit_work(dpuf_sched *s, int32_t i) {
+    const dpuf_sched_work *w = &s->works[i];
+    dpuf_sched_seq *q = &s->seqs[w->seq];
+    if (q->status != DPUF_SEQ_RUNNING) return;
+    q->computed = w->start + w->count;
+    q->generated += w->sample;
+}
+
+/* The step ran: every work committed (the host build's loop). */
 DPUF_SCHED_FN void dpuf_sched_commit(dpuf_sched *s) {
-    for (int32_t i = 0; i < s->n_works; i++) {
-        const dpuf_sched_work *w = &s->works[i];
-        dpuf_sched_seq *q = &s->seqs[w->seq];
-        if (q->status != DPUF_SEQ_RUNNING) continue;
-        q->computed = w->start + w->count;
-        if (w->sample) q->generated++;
-    }
+    for (int32_t i = 0; i < s->n_works; i++) dpuf_sched_commit_work(s, i);
 }
 
 /* ---- the step's metadata, in the smallest captured graph that holds it */
@@ -423,31 +433,42 @@ DPUF_SCHED_FN int dpuf_sched_is_decode(const dpuf_sched *s) {
     return 1;
 }
 
-/* The batch's tokens and attention tiles. */
-DPUF_SCHED_FN void dpuf_sched_sizes(const dpuf_sched *s, int32_t *tokens, int32_t *tiles,
-                                    int32_t *samples) {
-    int32_t t = 0, n = 0, k = 0, p = s->c.per_tile;
+/* Where a work's part of a step starts: its first query row, its first
+ * attention tile and its index among the sampling works. Over the whole step
+ * (dpuf_sched_layout's return): the step's tokens, tiles and samples. */
+typedef struct dpuf_sched_span {
+    int32_t row;
+    int32_t tile;
+    int32_t sample;
+} dpuf_sched_span;
+
+/* The step's layout, counted once: each work's span into `at[i]` (NULL: the
+ * totals only) and the step's totals returned. Serial: the prefix sums are a
+ * few hundred additions, which the kernel's thread 0 runs into shared memory
+ * while the rest of the block waits, and the host build into its arena. */
+DPUF_SCHED_FN dpuf_sched_span dpuf_sched_layout(const dpuf_sched *s, dpuf_sched_span *at) {
+    dpuf_sched_span total = {0, 0, 0};
+    const int32_t p = s->c.per_tile;
     for (int32_t i = 0; i < s->n_works; i++) {
-        t += s->works[i].count;
-        n += (s->works[i].count + p - 1) / p;
-        k += s->works[i].sample;
+        const dpuf_sched_work *w = &s->works[i];
+        if (at != 0) at[i] = total;
+        total.row += w->count;
+        total.tile += (w->count + p - 1) / p;
+        total.sample += w->sample;
     }
-    *tokens = t;
-    *tiles = n;
-    *samples = k;
+    return total;
 }
 
-/* The index of the graph that runs this batch (graphs.StepGraphs.graph_for),
- * or DPUF_SCHED_NO_GRAPH. */
-DPUF_SCHED_FN int32_t dpuf_sched_graph_for(const dpuf_sched *s) {
-    int32_t tokens, tiles, samples, seqs = s->n_works;
-    int decode = dpuf_sched_is_decode(s);
-    dpuf_sched_sizes(s, &tokens, &tiles, &samples);
+/* The index of the graph that runs a step of these totals
+ * (graphs.StepGraphs.graph_for), or DPUF_SCHED_NO_GRAPH. */
+DPUF_SCHED_FN int32_t dpuf_sched_graph_for(const dpuf_sched *s, dpuf_sched_span total) {
+    const int32_t seqs = s->n_works;
+    const int decode = dpuf_sched_is_decode(s);
     for (int32_t g = 0; g < s->n_graphs; g++) {
         const dpuf_sched_graph *gr = &s->graphs[g];
         if ((gr->samples < 0) != decode) continue;
-        if (tokens <= gr->tokens && seqs < gr->seqs + (gr->samples < 0) && tiles <= gr->tiles &&
-            (gr->samples < 0 || samples <= gr->samples))
+        if (total.row <= gr->tokens && seqs < gr->seqs + (gr->samples < 0) && total.tile <= gr->tiles &&
+            (gr->samples < 0 || total.sample <= gr->samples))
             return g;
     }
     return DPUF_SCHED_NO_GRAPH;
@@ -476,11 +497,11 @@ DPUF_SCHED_FN dpuf_sched_fields dpuf_sched_fields_of(const dpuf_sched *s, const 
 }
 
 /* Write work `i`'s part of graph `g`'s inputs: its query rows, its tiles, its
- * table row and spans. `row` and `tile` are where its rows and tiles start,
- * `sample` its index among the sampling works. One work per call, so the GPU
- * kernel spreads the works over its threads. */
-DPUF_SCHED_FN void dpuf_sched_fill_work(const dpuf_sched *s, const dpuf_sched_fields *f, int32_t i,
-                                        int32_t row, int32_t tile, int32_t sample) {
+ * table row and spans, from its span `at` (dpuf_sched_layout). One work per
+ * call, so the GPU kernel spreads the works over its threads. */
+DPUF_SCHED_FN void dpuf_sched_fill_work(const dpuf_sched *s, const dpuf_sched_graph *g,
+                                        const dpuf_sched_fields *f, int32_t i, dpuf_sched_span at) {
+    const int32_t row = at.row, tile = at.tile;
     const dpuf_sched_work *w = &s->works[i];
     const dpuf_sched_seq *q = &s->seqs[w->seq];
     const int32_t *table = s->tables + (int64_t)q->slot * s->max_blocks;
@@ -501,17 +522,16 @@ DPUF_SCHED_FN void dpuf_sched_fill_work(const dpuf_sched *s, const dpuf_sched_fi
     f->q_start[i] = row;
     f->q_len[i] = w->count;
     f->ctx_start[i] = w->start;
-    if (w->sample && f->sample_rows != 0 && sample >= 0) f->sample_rows[sample] = row + w->count - 1;
+    if (w->sample && g->samples >= 0) f->sample_rows[at.sample] = row + w->count - 1;
 }
 
 /* The padding past the batch: rows write K and V to the scratch slot, padding
  * tiles belong to the last sequence (padding, no query token). Starting
  * at `from`, every `stride`-th element (the GPU kernel's threads). */
 DPUF_SCHED_FN void dpuf_sched_fill_padding(const dpuf_sched *s, const dpuf_sched_graph *g,
-                                           const dpuf_sched_fields *f, int32_t tokens,
-                                           int32_t tiles, int32_t samples, int32_t from,
-                                           int32_t stride) {
-    int32_t seqs = s->n_works;
+                                           const dpuf_sched_fields *f, dpuf_sched_span total,
+                                           int32_t from, int32_t stride) {
+    const int32_t seqs = s->n_works, tokens = total.row, tiles = total.tile, samples = total.sample;
     for (int32_t r = tokens + from; r < g->tokens; r += stride) {
         f->slots[r] = 0;
         f->positions[r] = 0;
@@ -532,19 +552,14 @@ DPUF_SCHED_FN void dpuf_sched_fill_padding(const dpuf_sched *s, const dpuf_sched
     }
 }
 
-/* The whole fill on one thread (the host build; the kernel splits it). */
-DPUF_SCHED_FN int32_t dpuf_sched_fill(const dpuf_sched *s, int32_t g) {
+/* The whole fill on one thread, from the step's layout `at` (the host build's
+ * loop; the kernel strides over the same two pieces). */
+DPUF_SCHED_FN int32_t dpuf_sched_fill(const dpuf_sched *s, int32_t g, const dpuf_sched_span *at,
+                                      dpuf_sched_span total) {
     const dpuf_sched_graph *gr = &s->graphs[g];
-    dpuf_sched_fields f = dpuf_sched_fields_of(s, gr);
-    int32_t row = 0, tile = 0, sample = 0, p = s->c.per_tile;
-    for (int32_t i = 0; i < s->n_works; i++) {
-        const dpuf_sched_work *w = &s->works[i];
-        dpuf_sched_fill_work(s, &f, i, row, tile, gr->samples < 0 ? -1 : sample);
-        row += w->count;
-        tile += (w->count + p - 1) / p;
-        sample += w->sample;
-    }
-    dpuf_sched_fill_padding(s, gr, &f, row, tile, sample, 0, 1);
+    const dpuf_sched_fields f = dpuf_sched_fields_of(s, gr);
+    for (int32_t i = 0; i < s->n_works; i++) dpuf_sched_fill_work(s, gr, &f, i, at[i]);
+    dpuf_sched_fill_padding(s, gr, &f, total, 0, 1);
     return DPUF_SCHED_OK;
 }
 

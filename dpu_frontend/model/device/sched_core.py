@@ -24,6 +24,7 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.library import PersistentLibrary, Signature, bind
 from dpu_frontend.gpu.runtime import build
 from dpu_frontend.model.device import SCHED_HOST
+from dpu_frontend.model.sampling import VARIANTS
 
 #: Return codes of sched_core.h.
 OK, FULL, BAD_PROMPT, BAD_ENTRY, NO_GRAPH = 0, -1, -2, -3, -4
@@ -64,8 +65,6 @@ class SeqState(ctypes.Structure):
     )
 
 
-#: Sampler variants of the GPU scheduler (scheduler.h, DPUF_SAMPLER_*), in index order.
-VARIANTS = ("greedy", "plain", "full", "logprobs")
 MAX_EOS = 8
 
 

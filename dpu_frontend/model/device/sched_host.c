@@ -13,6 +13,8 @@
 typedef struct dpuf_sched_host {
     dpuf_sched s;
     uint8_t *arena;
+    dpuf_sched_span *at; /* [max_seqs]: the last step's layout */
+    dpuf_sched_span total;
     uint8_t *inputs[DPUF_SCHED_MAX_GRAPHS];
 } dpuf_sched_host;
 
@@ -20,7 +22,10 @@ EXPORT dpuf_sched_host *dpuf_sched_host_new(const dpuf_sched_config *c) {
     dpuf_sched_host *h = calloc(1, sizeof *h);
     if (h == NULL) return NULL;
     h->arena = calloc(1, dpuf_sched_arena_bytes(c));
-    if (h->arena == NULL) {
+    h->at = calloc((size_t)c->max_seqs, sizeof *h->at);
+    if (h->arena == NULL || h->at == NULL) {
+        free(h->arena);
+        free(h->at);
         free(h);
         return NULL;
     }
@@ -32,6 +37,7 @@ EXPORT void dpuf_sched_host_free(dpuf_sched_host *h) {
     if (h == NULL) return;
     for (int32_t g = 0; g < h->s.n_graphs; g++) free(h->inputs[g]);
     free(h->arena);
+    free(h->at);
     free(h);
 }
 
@@ -63,13 +69,17 @@ EXPORT void dpuf_sched_host_set_credit(dpuf_sched_host *h, int32_t channel, int6
     h->s.credits[channel] = left;
 }
 
-EXPORT void dpuf_sched_host_schedule(dpuf_sched_host *h) { dpuf_sched_schedule(&h->s); }
+/* The schedule, then the step's layout, as the kernel's thread 0 runs them. */
+EXPORT void dpuf_sched_host_schedule(dpuf_sched_host *h) {
+    dpuf_sched_schedule(&h->s);
+    h->total = dpuf_sched_layout(&h->s, h->at);
+}
 
 EXPORT void dpuf_sched_host_commit(dpuf_sched_host *h) { dpuf_sched_commit(&h->s); }
 
-EXPORT int32_t dpuf_sched_host_graph_for(dpuf_sched_host *h) { return dpuf_sched_graph_for(&h->s); }
+EXPORT int32_t dpuf_sched_host_graph_for(dpuf_sched_host *h) { return dpuf_sched_graph_for(&h->s, h->total); }
 
-EXPORT int32_t dpuf_sched_host_fill(dpuf_sched_host *h, int32_t g) { return dpuf_sched_fill(&h->s, g); }
+EXPORT int32_t dpuf_sched_host_fill(dpuf_sched_host *h, int32_t g) { return dpuf_sched_fill(&h->s, g, h->at, h->total); }
 
 /* The last step: counts[0..3] = works, admitted, preempted, free blocks;
  * works as (entry, start, count, sample) rows; held channels as a mask. */

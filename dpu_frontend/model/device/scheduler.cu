@@ -48,8 +48,6 @@
 
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
-#define N_COUNTERS 8                 /* the mailbox's, in its order */
-enum { CNT_RECORDS, CNT_ADMITTED, CNT_COMPLETED, CNT_CANCELLED, CNT_BAD, CNT_TOKENS, CNT_PUBLISHED, CNT_RING_FULL };
 
 /* What the scheduler keeps of a request beside sched_core's sequence. */
 struct entry_info {
@@ -66,13 +64,10 @@ struct entry_info {
     uint32_t pad;
 };
 
-struct chan_state {
-    uint64_t next_req_seq; /* the next request record expected (1-based) */
-    uint64_t acked;        /* the last mailbox command_seq acknowledged */
-    uint64_t finals;       /* finals queued for the next publish */
-    uint32_t epoch;
-    uint32_t attached;
-    unsigned long long counters[N_COUNTERS];
+/* The ring's state of a channel (ring_device.cuh: next request, mailbox ack,
+ * epoch, the mailbox's counters), then the scheduler's own. */
+struct chan_state : ring_channel {
+    uint64_t finals; /* finals queued for the next publish */
 };
 
 struct sched_ctl {
@@ -130,15 +125,14 @@ enum { PH_PUBLISH, PH_INTAKE, PH_SCHEDULE, PH_COUNT };
 
 /* The block's scratch: thread 0 decides, everyone reads after a barrier. */
 struct sched_smem {
-    uint32_t words[32];
-    uint64_t command_seq;
-    uint32_t action, arg_epoch, verdict, stop, bad_ids, go;
-    int entry;
-    int duplicate;
-    int32_t graph, variant, tokens, tiles, samples;
+    ring_smem ring; /* a request record's or a mailbox command's */
+    uint32_t stop, go;
+    int32_t added; /* the entry sched_core gave a GENERATE */
+    int32_t graph, variant;
     uint64_t t;     /* thread 0's clock of the phase timers */
     uint64_t ph[PH_COUNT]; /* this pass's phases so far */
-    int32_t row[SCHED_MAX_SEQS], tile[SCHED_MAX_SEQS], sample[SCHED_MAX_SEQS];
+    dpuf_sched_span total;             /* the step's tokens, tiles and samples */
+    dpuf_sched_span at[SCHED_MAX_SEQS]; /* where each work's rows, tiles and sample row start */
 };
 
 __device__ __forceinline__ dpuf_dpu_ctrl *dpu_of(const sched_args &a, uint32_t c) {
@@ -227,39 +221,24 @@ __device__ void drop_channel(const sched_args &a, uint32_t c) {
     __syncthreads();
 }
 
-__device__ void run_mailbox(const sched_args &a, uint32_t c, sched_smem &sm) {
-    chan_state *st = a.chan + c;
-    if (threadIdx.x == 0) sm.action = mailbox_take(a.mailboxes + c, st->acked, st->epoch, &sm.command_seq, &sm.arg_epoch);
-    __syncthreads();
-    const uint32_t action = sm.action, epoch = sm.arg_epoch;
-    const uint64_t cs = sm.command_seq;
-    __syncthreads();
-    if (action == M_NONE) return;
-    if (action == M_ATTACH || action == M_DETACH) drop_channel(a, c);
-    if (action == M_ATTACH) {
-        reset_rings(a.region, a.channels + c);
+/* The scheduler's side of a mailbox command (ring_device.cuh: mailbox_command). */
+struct sched_mailbox {
+    const sched_args &a;
+    uint32_t c;
+
+    __device__ void drop() const { drop_channel(a, c); }
+    __device__ void reset(uint32_t epoch) const {
         if (threadIdx.x == 0) {
-            st->next_req_seq = 1;
-            st->finals = 0;
+            a.chan[c].finals = 0;
             /* The ring restarts at position 0; the counters run on. */
             a.wstate[c].reserved = 0;
             a.wstate[c].epoch = epoch;
         }
-        /* Every zero reaches the system before the new epoch does. */
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            st->epoch = epoch;
-            st->attached = 1;
-            dpuf_store_release_sys(&gpu_ctrl_of(a.region, a.channels + c)->epoch, epoch);
-        }
     }
-    if (threadIdx.x == 0) {
-        if (action == M_DETACH) st->attached = 0;
-        st->acked = cs;
-        mailbox_ack(a.mailboxes + c, cs, action);
-    }
-    __syncthreads();
+};
+
+__device__ void run_mailbox(const sched_args &a, uint32_t c, sched_smem &sm) {
+    mailbox_command(a.region, a.channels + c, a.mailboxes + c, a.chan + c, sm.ring, sched_mailbox{a, c});
 }
 
 /* ---- C. intake ------------------------------------------------------------- */
@@ -289,96 +268,77 @@ __device__ void fill_entry(const sched_args &a, int32_t e, uint32_t c, const uin
     en->top_k = top_k > 0 && (uint64_t)top_k < a.vocab_rows ? top_k : 0;
     en->seed = (flags & DPUF_FLAG_HAS_SEED) ? req_u64(wd, REQ_SEED)
                                             : fresh_seed(global_timer_ns() ^ (a.ctl->seeds++ << 32) ^ en->request_id);
-    en->penalized = en->f[3] != 0.0f || en->f[4] != 0.0f || en->f[5] != 1.0f;
+    en->penalized = DPUF_ROW_PENALIZED(en->f[3], en->f[4], en->f[5]);
 }
 
-/* Take in every committed record of attached channel c, all threads. */
-__device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
-    const dpuf_channel_desc *d = a.channels + c;
-    chan_state *st = a.chan + c;
-    const uint64_t first = st->next_req_seq;
-    uint64_t seq = first;
-    for (;;) {
+/* The scheduler's side of the intake walk (ring_device.cuh: intake_walk) for
+ * channel c: sched_core's sequences, their entries and prompt spans. */
+struct sched_intake {
+    const sched_args &a;
+    uint32_t c;
+    sched_smem &sm;
+
+    __device__ uint32_t judge(uint32_t verdict, const uint32_t *wd) const {
+        /* A record that may end in a final (a cancel, a refusal) waits for a
+         * free response slot; so does one when the queue is full. */
+        if (ring_room(a, c) <= 0 || a.ctl->n_finals >= a.max_finals) return V_NONE;
+        if (verdict == V_GENERATE && (wd[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) && wd[REQ_LOGPROBS] > DPUF_MAX_TOP_LOGPROBS)
+            return V_BAD;
+        return verdict;
+    }
+    __device__ int32_t entries() const { return a.s->c.capacity; }
+    /* The channel's live sequences, waiting or running. */
+    __device__ uint32_t look(int32_t e, uint64_t request_id) const {
+        const int32_t status = a.s->seqs[e].status;
+        const bool same = (status == DPUF_SEQ_WAITING || status == DPUF_SEQ_RUNNING) && a.entries[e].channel == c &&
+                          a.entries[e].request_id == request_id;
+        return same ? LOOK_SAME_ID | LOOK_TARGET : 0u;
+    }
+    /* A waiting sequence in sched_core: past max_sequences no room (bad), a
+     * prompt the context cannot hold refused. */
+    __device__ int32_t place(const uint32_t *wd, int32_t) const {
         if (threadIdx.x == 0) {
-            sm.verdict = read_request(a.region, d, st->epoch, seq, sm.words);
-            /* A record that may end in a final (a cancel, a refusal) waits
-             * for a free response slot; so does one when the queue is full. */
-            sm.go = sm.verdict != V_NONE && ring_room(a, c) > 0 && a.ctl->n_finals < a.max_finals;
-            sm.entry = INT_MAX;
-            sm.duplicate = 0;
-            sm.bad_ids = 0;
+            const int32_t e = dpuf_sched_add(a.s, (int64_t)req_u64(wd, REQ_ID), (int32_t)wd[REQ_PROMPT_LEN],
+                                             wd[REQ_MAX_TOKENS], (int32_t)c);
+            sm.added = e >= 0 ? e : e == DPUF_SCHED_BAD_PROMPT ? INTAKE_REFUSED : INTAKE_NO_ROOM;
         }
         __syncthreads();
-        if (!sm.go) break;
-        uint32_t verdict = sm.verdict;
-        const uint64_t request_id = req_u64(sm.words, REQ_ID);
-        if (verdict == V_GENERATE && (sm.words[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) &&
-            sm.words[REQ_LOGPROBS] > DPUF_MAX_TOP_LOGPROBS)
-            verdict = V_BAD;
-        /* The channel's live sequences: a duplicate id for a GENERATE, the
-         * target of a CANCEL. */
-        if (verdict == V_GENERATE || verdict == V_CANCEL) {
-            for (int32_t e = threadIdx.x; e < a.s->c.capacity; e += blockDim.x) {
-                const int32_t status = a.s->seqs[e].status;
-                if ((status == DPUF_SEQ_WAITING || status == DPUF_SEQ_RUNNING) && a.entries[e].channel == c &&
-                    a.entries[e].request_id == request_id) {
-                    if (verdict == V_GENERATE) sm.duplicate = 1;
-                    else atomicMin(&sm.entry, e);
-                }
-            }
+        return sm.added;
+    }
+    __device__ uint32_t *prompt(int32_t e) const { return a.prompts + (uint64_t)e * a.prompt_stride; }
+    __device__ bool generate(int32_t e, const uint32_t *wd) const {
+        bool bad_ids = false; /* an id the vocabulary does not have */
+        if (e >= 0) {
+            const uint32_t *ids = prompt(e);
+            const uint32_t len = wd[REQ_PROMPT_LEN];
+            for (uint32_t i = threadIdx.x; i < len; i += blockDim.x) bad_ids |= ids[i] >= a.vocab;
+            bad_ids = __syncthreads_or(bad_ids);
         }
-        __syncthreads();
-        if (verdict == V_GENERATE && sm.duplicate) verdict = V_BAD;
-        if (verdict == V_GENERATE && threadIdx.x == 0) {
-            const int32_t e = dpuf_sched_add(a.s, (int64_t)request_id, (int32_t)sm.words[REQ_PROMPT_LEN],
-                                             sm.words[REQ_MAX_TOKENS], (int32_t)c);
-            sm.entry = e >= 0 ? e : e == DPUF_SCHED_BAD_PROMPT ? -1 : INT_MAX;
-        }
-        __syncthreads();
-        const int entry = sm.entry;
-        if (verdict == V_GENERATE && entry == INT_MAX) verdict = V_BAD; /* past max_sequences: bad */
-        if (verdict == V_GENERATE && entry >= 0) {
-            const uint32_t len = sm.words[REQ_PROMPT_LEN];
-            uint32_t *dst = a.prompts + (uint64_t)entry * a.prompt_stride;
-            copy_prompt((const uint32_t *)(a.region + d->arena_offset + req_u64(sm.words, REQ_ARENA)), dst, len);
-            __syncthreads();
-            for (uint32_t i = threadIdx.x; i < len; i += blockDim.x)
-                if (dst[i] >= a.vocab) sm.bad_ids = 1;
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            const uint32_t *wd = sm.words;
+        if (threadIdx.x != 0) return false;
+        if (e >= 0 && bad_ids) dpuf_sched_finish(a.s, e);
+        if (e < 0 || bad_ids) { /* a prompt the model cannot take: the request fails alone */
             const uint32_t flags = (wd[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) ? DPUF_WRITER_LOGPROBS : 0u;
-            if (verdict == V_BAD) st->counters[CNT_BAD]++;
-            if (verdict == V_CANCEL && entry != INT_MAX) {
-                /* An unknown or finished target is ignored, not bad. */
-                queue_final(a, a.s->seqs[entry].slot, c, request_id, DPUF_FINISH_CANCELLED,
-                            a.entries[entry].flags);
-                dpuf_sched_finish(a.s, entry);
-            }
-            if (verdict == V_GENERATE) {
-                if (entry >= 0 && sm.bad_ids) dpuf_sched_finish(a.s, entry);
-                if (entry < 0 || sm.bad_ids) { /* a prompt the model cannot take: the request fails alone */
-                    queue_final(a, -1, c, request_id, DPUF_FINISH_ERROR, flags);
-                    a.stats->refused++;
-                } else {
-                    fill_entry(a, entry, c, wd);
-                    st->counters[CNT_ADMITTED]++;
-                }
-            }
-            st->counters[CNT_RECORDS]++;
+            queue_final(a, -1, c, req_u64(wd, REQ_ID), DPUF_FINISH_ERROR, flags);
+            a.stats->refused++;
+            return false;
         }
-        seq++;
-        __syncthreads();
+        fill_entry(a, e, c, wd);
+        return true;
     }
-    if (threadIdx.x == 0 && seq != first) {
-        st->next_req_seq = seq;
-        /* The prompts are copied out before req_consumed moves: the DPU
-         * reuses the slots and arena spans it covers at once. */
-        __threadfence_system();
-        dpuf_store_release_sys(&gpu_ctrl_of(a.region, d)->req_consumed, seq - 1);
+    __device__ void cancel(int32_t e, const uint32_t *wd) const {
+        queue_final(a, a.s->seqs[e].slot, c, req_u64(wd, REQ_ID), DPUF_FINISH_CANCELLED, a.entries[e].flags);
+        dpuf_sched_finish(a.s, e);
     }
-    __syncthreads();
+};
+
+/* Request records a channel's intake takes in one pass: a burst of arrivals
+ * delays the running sequences' next step by that many records at most; the
+ * rest wait for the next pass. */
+constexpr uint64_t INTAKE_PER_PASS = 256;
+
+/* Take in the committed records of attached channel c, all threads. */
+__device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
+    intake_walk(a.region, a.channels + c, a.chan + c, INTAKE_PER_PASS, sm.ring, sched_intake{a, c, sm});
 }
 
 /* ---- E. the step's inputs -------------------------------------------------- */
@@ -423,7 +383,7 @@ __device__ void load_admitted(const sched_args &a) {
 }
 
 /* All threads: the sampler's rows and the writer's, row k for the k-th sampling
- * work (fill_inputs counted them); padding rows up to the graph's draw nothing
+ * work (the step's layout, sm.at); padding rows up to the graph's draw nothing
  * that counts (slot max_seqs is the token buffer's padding row). Returns the
  * sampler variant, the same in every thread. */
 __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_smem &sm) {
@@ -443,7 +403,7 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
         const dpuf_sched_work w = works[i];
         if (!w.sample) continue;
-        const int32_t k = sm.sample[i];
+        const int32_t k = sm.at[i].sample;
         const dpuf_sched_seq q = seqs[w.seq];
         const entry_info *en = entries + w.seq;
         const int32_t total = q.prompt_len + q.generated; /* before this step's token */
@@ -456,13 +416,13 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
         rows[2 * k] = q.slot;
         rows[2 * k + 1] = total + 1;
         row_entry[k] = w.seq;
-        greedy &= en->f[0] < 1e-5f;
+        greedy &= DPUF_ROW_GREEDY(en->f[0]);
         penalty |= en->penalized != 0;
-        cut |= en->top_k != 0 || en->f[1] < 1.0f || en->f[2] > 0.0f;
+        cut |= DPUF_ROW_CUT(en->top_k, en->f[1], en->f[2]);
         logprobs |= (en->flags & DPUF_WRITER_LOGPROBS) != 0;
     }
     const float neutral[6] = {0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 1.0f};
-    for (int32_t r = sm.samples + threadIdx.x; r < padded; r += blockDim.x) {
+    for (int32_t r = sm.total.sample + threadIdx.x; r < padded; r += blockDim.x) {
         row_slot[r] = pad_slot;
         row_pos[r] = 0;
         for (int j = 0; j < 6; j++) row_floats[j * stride + r] = neutral[j];
@@ -472,52 +432,26 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     penalty = __syncthreads_or(penalty);
     cut = __syncthreads_or(cut);
     logprobs = __syncthreads_or(logprobs);
-    if (logprobs) return DPUF_SAMPLER_LOGPROBS;
-    if (penalty || cut) return DPUF_SAMPLER_FULL;
-    return greedy ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN;
+    return DPUF_SAMPLER_VARIANT(greedy, penalty, cut, logprobs);
 }
 
-/* All threads: the step ran (it will have, by the time anyone reads them):
- * each work's KV is in the cache, each sampling sequence has one more token.
- * A sequence appears in one work at most, so the works go to threads freely
- * (dpuf_sched_commit's effect, spread). */
+/* All threads: the step ran (it will have, by the time anyone reads them).
+ * sched_core's per-work commit, the works strided over the threads. */
 __device__ void commit(const sched_args &a) {
     dpuf_sched *s = a.s;
     const int32_t n = s->n_works;
-    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const dpuf_sched_work w = s->works[i];
-        dpuf_sched_seq *q = s->seqs + w.seq;
-        if (q->status != DPUF_SEQ_RUNNING) continue;
-        q->computed = w.start + w.count;
-        q->generated += w.sample;
-    }
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dpuf_sched_commit_work(s, i);
     __syncthreads();
 }
 
-/* All threads: graph g's static inputs, the works spread over the threads. */
-__device__ void fill_inputs(const sched_args &a, int32_t g, sched_smem &sm) {
+/* All threads: graph g's static inputs, sched_core's per-work fill strided over
+ * the threads, from the step's layout (sm.at, counted at the schedule). */
+__device__ void fill_inputs(const sched_args &a, int32_t g, const sched_smem &sm) {
     const dpuf_sched *s = a.s;
-    if (threadIdx.x == 0) {
-        int32_t row = 0, tile = 0, sample = 0;
-        const int32_t p = s->c.per_tile;
-        for (int32_t i = 0; i < s->n_works; i++) {
-            sm.row[i] = row;
-            sm.tile[i] = tile;
-            sm.sample[i] = sample;
-            row += s->works[i].count;
-            tile += (s->works[i].count + p - 1) / p;
-            sample += s->works[i].sample;
-        }
-        sm.tokens = row;
-        sm.tiles = tile;
-        sm.samples = sample;
-    }
-    __syncthreads();
     const dpuf_sched_graph *gr = s->graphs + g;
     const dpuf_sched_fields f = dpuf_sched_fields_of(s, gr);
-    for (int32_t i = threadIdx.x; i < s->n_works; i += blockDim.x)
-        dpuf_sched_fill_work(s, &f, i, sm.row[i], sm.tile[i], gr->samples < 0 ? -1 : sm.sample[i]);
-    dpuf_sched_fill_padding(s, gr, &f, sm.tokens, sm.tiles, sm.samples, (int32_t)threadIdx.x, (int32_t)blockDim.x);
+    for (int32_t i = threadIdx.x; i < s->n_works; i += blockDim.x) dpuf_sched_fill_work(s, gr, &f, i, sm.at[i]);
+    dpuf_sched_fill_padding(s, gr, &f, sm.total, (int32_t)threadIdx.x, (int32_t)blockDim.x);
     __syncthreads();
 }
 
@@ -601,7 +535,8 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                 for (uint32_t c = 0; c < a.channel_count; c++)
                     if (s->held >> c & 1u) a.chan[c].counters[CNT_RING_FULL]++;
             }
-            sm.graph = s->n_works ? dpuf_sched_graph_for(s) : -1;
+            sm.total = dpuf_sched_layout(s, sm.at);
+            sm.graph = s->n_works ? dpuf_sched_graph_for(s, sm.total) : -1;
             if (s->n_works && sm.graph < 0) a.stats->error = DPUF_MODEL_ERR_NO_GRAPH;
         }
         lap(sm, PH_SCHEDULE);
@@ -629,11 +564,11 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         const int32_t v = build_rows(a, g, sm);
         commit(a);
         if (threadIdx.x == 0) {
-            a.ctl->n_rows = (uint32_t)sm.samples;
+            a.ctl->n_rows = (uint32_t)sm.total.sample;
             dpuf_model_stats *st = a.stats;
             st->steps++;
-            st->tokens += (uint64_t)sm.tokens;
-            st->sampled += (uint64_t)sm.samples;
+            st->tokens += (uint64_t)sm.total.row;
+            st->sampled += (uint64_t)sm.total.sample;
             st->admitted += (uint64_t)s->n_admitted;
             st->variants[v]++;
             mirror(a);
@@ -773,17 +708,14 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
         device_alloc(m, &a->wslots, sizeof(writer_slot) * c->max_seqs) ||
         device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)))
         return -1;
-    const size_t mbx = DPUF_KERNEL_BLOCK_SIZE + (size_t)DPUF_MAILBOX_SIZE * n;
-    DPUF_CHECK(cudaHostAlloc(&m->mbx_host, mbx, cudaHostAllocMapped | cudaHostAllocPortable));
-    memset(m->mbx_host, 0, mbx);
+    DPUF_CHECK(mailbox_area_alloc(n, &m->mbx_host, &dev));
+    a->kblock = (dpuf_kernel_block *)dev;
+    a->mailboxes = (dpuf_mailbox *)((uint8_t *)dev + DPUF_KERNEL_BLOCK_SIZE);
     DPUF_CHECK(cudaHostAlloc((void **)&m->stats_host, sizeof(dpuf_model_stats), cudaHostAllocMapped | cudaHostAllocPortable));
     memset(m->stats_host, 0, sizeof(dpuf_model_stats));
     DPUF_CHECK(cudaHostAlloc((void **)&m->wmirror_host, sizeof(dpuf_writer_channel) * n,
                              cudaHostAllocMapped | cudaHostAllocPortable));
     memset(m->wmirror_host, 0, sizeof(dpuf_writer_channel) * n);
-    DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->mbx_host, 0));
-    a->kblock = (dpuf_kernel_block *)dev;
-    a->mailboxes = (dpuf_mailbox *)((uint8_t *)dev + DPUF_KERNEL_BLOCK_SIZE);
     DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->stats_host, 0));
     a->stats_mirror = (dpuf_model_stats *)dev;
     DPUF_CHECK(cudaHostGetDevicePointer(&dev, m->wmirror_host, 0));

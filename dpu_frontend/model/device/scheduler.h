@@ -41,6 +41,22 @@ extern "C" {
 #define DPUF_SAMPLER_FULL 2u     /* penalties and every cut */
 #define DPUF_SAMPLER_LOGPROBS 3u /* FULL and the log probabilities (DPUF_MAX_TOP_LOGPROBS wide) */
 
+/* The sampler's rules, once for C (dpu_frontend.model.sampling holds the
+ * Python side; CI evaluates both on every case). A temperature below
+ * DPUF_GREEDY_BELOW draws greedily (dividing by it would overflow float32). A
+ * row is penalized unless its presence, frequency and repetition penalties are
+ * neutral, and cut unless its top-k, top-p and min-p keep every token. */
+#define DPUF_GREEDY_BELOW 1e-5f
+#define DPUF_ROW_GREEDY(temperature) ((temperature) < DPUF_GREEDY_BELOW)
+#define DPUF_ROW_PENALIZED(presence, frequency, repetition) \
+    ((presence) != 0.0f || (frequency) != 0.0f || (repetition) != 1.0f)
+#define DPUF_ROW_CUT(top_k, top_p, min_p) ((top_k) != 0 || (top_p) < 1.0f || (min_p) > 0.0f)
+/* The cheapest variant whose stages cover a batch, from its rows' facts. */
+#define DPUF_SAMPLER_VARIANT(all_greedy, any_penalty, any_cut, any_logprobs)      \
+    ((any_logprobs) ? DPUF_SAMPLER_LOGPROBS                                       \
+     : ((any_penalty) || (any_cut)) ? DPUF_SAMPLER_FULL                           \
+     : (all_greedy) ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN)
+
 typedef struct dpuf_model_params {
     /* The region. region_host != NULL: host memory (the shm transport's
      * mapping), registered here with cudaHostRegister(Mapped|Portable).

@@ -108,10 +108,44 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+@dataclass
+class SlotTokens:
+    """What the sampler reads and writes per runner slot, on the device: each slot's
+    tokens (the prompt, then every drawn token: the next step's inputs), and for the
+    penalties its output counts and its prompt's tokens. One row more than the slots:
+    the GPU scheduler's padding rows draw into it."""
+
+    tokens: torch.Tensor  # [slots + 1, max_model_len] int64
+    counts: torch.Tensor  # [slots + 1, vocab] int32
+    in_prompt: torch.Tensor  # [slots + 1, vocab] bool
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    """``vocab_limit``: the ids that may be drawn (the tokenizer's; a model's vocabulary is
+    padded past them); 0: every row of the logits."""
+
+    def __init__(self, vocab_size: int, vocab_limit: int, device: torch.device) -> None:
         ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
         self._token_key = (ids * _TOKEN_MUL) & _MASK32
+        self.vocab_limit = vocab_limit
+
+    def step(self, logits: torch.Tensor, params: BatchParams, slots: torch.Tensor,
+             positions: torch.Tensor, state: SlotTokens, top_logprobs: int) -> Drawn:
+        """One step's draws: row ``i`` of ``logits`` is the sequence in slot ``slots[i]``,
+        whose token goes to ``positions[i]`` of its row of ``state.tokens``. The eager
+        runner and the GPU scheduler's captured sampler graphs both run this, so a token
+        is drawn by the same operations either way. ``top_logprobs`` >= 0: the log
+        probabilities too, with that many alternatives."""
+        if 0 < self.vocab_limit < logits.shape[1]:
+            # Padding rows of the embedding are no token: never drawn, no probability.
+            logits[:, self.vocab_limit:] = float("-inf")
+        penalized = self.penalize(logits, params, slots, state.counts, state.in_prompt)
+        tokens = self.draw(penalized, params)
+        state.tokens[slots, positions] = tokens
+        state.counts[slots, tokens] += 1
+        if top_logprobs < 0:
+            return Drawn(tokens, None, None, None)
+        return Sampler.logprobs(logits, tokens, top_logprobs)
 
     def penalize(self, logits: torch.Tensor, p: BatchParams, slots: torch.Tensor,
                  counts: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:

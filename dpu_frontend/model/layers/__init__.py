@@ -1,0 +1,13 @@
+"""The layers every decoder is built from, one module a layer, no model names inside:
+``linear`` (and its tiles), ``norm`` (RMSNorm), ``rope`` (the rotary table and
+kernel), ``attention`` (paged attention and its step metadata), ``activation``
+(SwiGLU), ``sampler`` (the draw, on the GPU).
+
+Every kernel here is **batch-invariant**: a row's result does not depend on
+how many other rows share the launch or where it sits among them. Each output
+element is reduced in one fixed order, set by a tile configuration chosen per
+weight shape and dtype, never per batch size (cuBLAS picks its algorithm by
+M, and a sequence's logits would then change with the batch). That is what
+makes a seeded sequence's tokens the same alone and inside a batch, and a
+prompt prefilled in chunks the same as in one pass.
+"""

@@ -1,0 +1,184 @@
+# Triton kernels' parameters are typed by the JIT (pointers, constexprs), not by hints.
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Causal attention over the paged KV cache, and the step metadata it reads.
+
+A step's tokens come from many sequences (prefill chunks and decodes mixed);
+``Attention`` says where each goes in the cache and what each query sees. The
+kernel cuts the work into tiles of query tokens, and each query's keys into
+chunks at fixed positions: both depend on the query alone, never on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dpu_frontend.model.layers.linear import precision
+
+#: Rows (tokens x query heads of a KV group) per attention program: 16, so that a
+#: decode tile (one token: the group's 2 heads) wastes little of its MMA. Prompt and
+#: decode tokens run the same tiles, so that a token's bits never depend on which
+#: it was (a preempted sequence recomputes its tokens as a prompt).
+ATTN_ROWS = 16
+#: Split KV: a query's keys are cut at fixed positions into chunks of this many
+#: pages, and ``ATTN_SPLITS`` programs share them (program s takes chunks s,
+#: s + ATTN_SPLITS, ...); a second kernel merges their partial softmaxes. The cut
+#: depends on the query's position alone, never on the batch: a long context no
+#: longer makes one program the step's critical path, and the bits stay the same.
+ATTN_CHUNK_PAGES = 8
+ATTN_SPLITS = 8
+#: The attention kernel's warps and pipeline stages (benchmarks/attention_tiles.py).
+ATTN_WARPS = 4
+ATTN_STAGES = 2
+
+
+
+
+@dataclass
+class Attention:
+    """Where this step's tokens go in the cache and what each query sees."""
+
+    positions: torch.Tensor  # [T] int64
+    cache_slots: torch.Tensor  # [T] int64: block * page + offset
+    tables: torch.Tensor  # [S, max_blocks] int32
+    tile_seq: torch.Tensor  # [tiles] int32
+    tile_row: torch.Tensor  # [tiles] int32
+    q_start: torch.Tensor  # [S] int32
+    q_len: torch.Tensor  # [S] int32
+    ctx_start: torch.Tensor  # [S] int32
+
+
+@dataclass
+class KvCache:
+    """Every layer's K and V, [layers, blocks, kv_heads, page, head_dim]: the pool's
+    blocks and one scratch block past them, where a graph's padding rows write."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def page(self) -> int:
+        return int(self.k.shape[3])
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr,
+    q_start_ptr, q_len_ptr, ctx_start_ptr,
+    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_pt, stride_ph, stride_table,
+    scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr, SPLITS: tl.constexpr, CHUNK_PAGES: tl.constexpr,
+):
+    """One tile's softmax over its chunks s, s + SPLITS, ... (s: the split), unnormalized:
+    per row the running max m, the sum l and the weighted values acc, into ``part``
+    [tokens, heads, SPLITS, HEAD_DIM + 2] float32."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    first = tl.load(tile_row_ptr + tile)  # the tile's first query token within the sequence's work
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_len_ptr + seq)
+    ctx_start = tl.load(ctx_start_ptr + seq)
+    last = ctx_start + tl.minimum(first + ROWS // GROUP, q_len) - 1  # the tile's largest position
+    chunks = last // (PAGE * CHUNK_PAGES) + 1
+    if split < chunks:
+        r = tl.arange(0, ROWS)
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        valid = token < q_len
+        pos = ctx_start + token  # the query's position: it sees keys 0..pos
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+                    + d[None, :], mask=valid[:, None], other=0.0)
+        m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+        n = tl.arange(0, PAGE)
+        pages = last // PAGE + 1
+        for chunk in range(split, chunks, SPLITS):
+            for page in range(chunk * CHUNK_PAGES, tl.minimum((chunk + 1) * CHUNK_PAGES, pages)):
+                block = tl.load(tables_ptr + seq * stride_table + page).to(tl.int64)
+                base = block * stride_kb + kv_head * stride_kh
+                k = tl.load(k_ptr + base + n[:, None] * stride_ks + d[None, :])
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                key_pos = page * PAGE + n
+                s = tl.where((key_pos[None, :] <= pos[:, None]) & valid[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # Rows with nothing visible (padding rows, rows before this split's
+                # keys) keep m = -inf: guard the NaN. A page wholly past a row's
+                # position leaves its m, l and acc bit for bit as they were.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + base + n[:, None] * stride_ks + d[None, :])
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        out = part_ptr + (q_start + token) * stride_pt + head * stride_ph + split * (HEAD_DIM + 2)
+        tl.store(out[:, None] + d[None, :], acc, mask=valid[:, None])
+        tl.store(out + HEAD_DIM, m_i, mask=valid)
+        tl.store(out + HEAD_DIM + 1, l_i, mask=valid)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, o_ptr, pos_ptr, stride_pt, stride_ph, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """One query token and head: its splits' partial softmaxes merged, in split order."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    sp = tl.arange(0, SPLITS)
+    live = sp <= pos // CHUNK  # the splits that hold this query's keys
+    d = tl.arange(0, HEAD_DIM)
+    base = part_ptr + t * stride_pt + h * stride_ph + sp * (HEAD_DIM + 2)
+    m = tl.load(base + HEAD_DIM, mask=live, other=float("-inf"))
+    sums = tl.load(base + HEAD_DIM + 1, mask=live, other=0.0)
+    acc = tl.load(base[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(live & (m > float("-inf")), tl.exp(m - top), 0.0)
+    total = tl.sum(sums * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tables: torch.Tensor, tile_seq: torch.Tensor, tile_row: torch.Tensor,
+                    q_start: torch.Tensor, q_len: torch.Tensor, ctx_start: torch.Tensor,
+                    positions: torch.Tensor, out: torch.Tensor, *, rows: int = ATTN_ROWS,
+                    warps: int = 0, stages: int = 0, splits: int = ATTN_SPLITS,
+                    chunk_pages: int = ATTN_CHUNK_PAGES) -> None:
+    """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
+
+    Sequence ``s`` owns query rows ``q_start[s] .. q_start[s] + q_len[s]``, at
+    positions from ``ctx_start[s]`` (``positions``: each row's), and its keys are
+    its block table's first pages. The work is cut into tiles of ``ATTN_ROWS //
+    group`` query tokens (``tile_seq``, ``tile_row``: the sequence and its first
+    token), one program per tile, KV head and split (``ATTN_SPLITS``), then one per
+    query token and head merges the splits. ``rows`` is the tile's height;
+    ``warps``, ``stages``, ``splits`` and ``chunk_pages`` override the module's
+    (benchmarks: other values give other bits).
+    """
+    t, hq, dim = q.shape
+    _, hkv, page, _ = k_cache.shape
+    group = hq // hkv
+    if tile_seq.shape[0] == 0:
+        return
+    part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(tile_seq.shape[0], hkv, splits)](
+        q, k_cache, v_cache, part, tables, tile_seq, tile_row, q_start, q_len, ctx_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part.stride(0), part.stride(1), tables.stride(0), dim ** -0.5,
+        GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
+        SPLITS=splits, CHUNK_PAGES=chunk_pages,
+        num_warps=warps or ATTN_WARPS, num_stages=stages or ATTN_STAGES,
+    )
+    _merge_splits_kernel[(t, hq)](
+        part, out, positions, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=dim, SPLITS=splits, CHUNK=page * chunk_pages, num_warps=4)
+
+

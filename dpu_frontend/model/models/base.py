@@ -1,0 +1,185 @@
+"""What every model declares, and what the engine asks of it.
+
+A model is a decoder over the paged KV cache (``Decoder``: ``forward`` and
+``logits``) plus a ``ModelSpec``: the config.json it takes, the options it
+implements, and its ``WeightTable``, which names each of its parameters, the
+HF tensors packed into it and their shapes. The table, declared once, drives
+the checkpoint's expected names and shapes (``checkpoint.py``), loading and
+random weights (``weights.py``) and the state dict that the tests hand to
+``transformers``. Nothing here needs torch: CI checks configs and checkpoints
+against the tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpu_frontend.model.config import ModelConfig
+    from dpu_frontend.model.layers.attention import Attention, KvCache
+    from dpu_frontend.model.weights import Params
+
+Shape = Callable[["ModelConfig"], tuple[int, ...]]
+#: How random weights are drawn: ``linear`` N(0, 0.02) as HF initializes them; ``norm``
+#: N(1, 0.1), so that the norms' weights are exercised too.
+INITS = ("linear", "norm")
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One HF tensor of a parameter: its name (past ``model.layers.{n}.`` for a layer's)
+    and its shape."""
+
+    hf: str
+    shape: Shape
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A parameter of the decoder: its HF tensors stacked along dimension 0 in part
+    order (q, k and v into one ``qkv``: one linear instead of three)."""
+
+    name: str
+    parts: tuple[Part, ...]
+    init: str = "linear"
+
+    def __post_init__(self) -> None:
+        if not self.parts or self.init not in INITS:
+            raise ValueError(f"parameter {self.name}: no parts, or init {self.init!r}")
+
+
+LAYER_PREFIX = "model.layers.{n}."
+#: The output head when the config ties it to the embedding: not in the checkpoint
+#: (or ignored there), the embedding's tensor itself.
+HEAD, EMBED = "lm_head", "embed"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTable:
+    """Every parameter of a model: one layer's, then the rest (embedding, head, final
+    norm), each list in the order random weights are drawn."""
+
+    layer: tuple[Param, ...]
+    top: tuple[Param, ...]
+
+    def top_params(self, config: ModelConfig) -> Iterator[Param]:
+        """The top-level parameters that have tensors of their own."""
+        return (p for p in self.top if not (p.name == HEAD and config.tie_word_embeddings))
+
+    def hf_names(self, config: ModelConfig) -> Iterator[tuple[str, Param, Part]]:
+        """(HF name, parameter, part) of every tensor a checkpoint must hold."""
+        for n in range(config.num_layers):
+            prefix = LAYER_PREFIX.format(n=n)
+            for param in self.layer:
+                for part in param.parts:
+                    yield prefix + part.hf, param, part
+        for param in self.top_params(config):
+            for part in param.parts:
+                yield part.hf, param, part
+
+    def shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """HF's tensor names and shapes for ``config``."""
+        return {name: part.shape(config) for name, _, part in self.hf_names(config)}
+
+    def parameter_count(self, config: ModelConfig) -> int:
+        return sum(math.prod(shape) for shape in self.shapes(config).values())
+
+
+def decoder_weights(*, qk_norm: bool) -> WeightTable:
+    """The weights of a Llama-family decoder in HF's naming (pre-norm, GQA attention,
+    gated MLP), ``qk_norm`` adding a per-head RMSNorm of q and k (Qwen3)."""
+
+    def hidden(c: ModelConfig) -> tuple[int, ...]:
+        return (c.hidden_size,)
+
+    def head_dim(c: ModelConfig) -> tuple[int, ...]:
+        return (c.head_dim,)
+
+    norms = (Param("q_norm", (Part("self_attn.q_norm.weight", head_dim),), "norm"),
+             Param("k_norm", (Part("self_attn.k_norm.weight", head_dim),), "norm"))
+    layer = (
+        Param("input_norm", (Part("input_layernorm.weight", hidden),), "norm"),
+        Param("qkv", (Part("self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size)),
+                      Part("self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size)),
+                      Part("self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size)))),
+        *(norms if qk_norm else ()),
+        Param("o_proj", (Part("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),)),
+        Param("post_norm", (Part("post_attention_layernorm.weight", hidden),), "norm"),
+        Param("gate_up", (
+            Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+            Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)))),
+        Param("down", (Part("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),)),
+    )
+    top = (
+        Param(EMBED, (Part("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),)),
+        Param(HEAD, (Part("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size)),)),
+        Param("norm", (Part("model.norm.weight", hidden),), "norm"),
+    )
+    return WeightTable(layer, top)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """An architecture as the engine serves it: config.json's ``model_type``, the
+    decoder class (``module:Class`` in ``dpu_frontend.model.models``, imported only
+    when a runner builds it: it needs torch), and the options it implements. A config
+    asking for an option the spec does not implement is refused at start-up rather
+    than served wrong."""
+
+    model_type: str
+    implementation: str
+    weights: WeightTable
+    #: A per-head RMSNorm of q and k before RoPE.
+    qk_norm: bool = False
+    #: The ``rope_scaling`` types its rotary table implements (none: plain RoPE).
+    rope_scaling: tuple[str, ...] = ()
+    #: MLP activations it implements (config.json's ``hidden_act``).
+    activations: tuple[str, ...] = ("silu",)
+
+    def check(self, d: dict[str, Any]) -> None:
+        """Refuse what this architecture's implementation does not do (ValueError)."""
+        model_type = d.get("model_type", self.model_type)
+        if model_type != self.model_type:
+            raise ValueError(f"model_type {model_type!r} does not match the architecture's "
+                             f"({self.model_type!r})")
+        scaling = d.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+            if kind not in self.rope_scaling:
+                raise ValueError(f"rope_scaling = {scaling!r} is not implemented by this engine "
+                                 f"for {self.model_type}")
+        for key, refused in (("attention_bias", False), ("use_sliding_window", False)):
+            if d.get(key, refused) != refused:
+                raise ValueError(f"{key} = {d[key]!r} is not implemented by this engine")
+        act = d.get("hidden_act", "silu")
+        if act not in self.activations:
+            raise ValueError(f"hidden_act {act!r} is not implemented "
+                             f"({', '.join(self.activations)} only)")
+
+
+class Decoder(Protocol):
+    """A model the runner drives: one forward over a flat batch of tokens from many
+    sequences (prefill chunks and decodes mixed), and the logits of the rows asked for."""
+
+    config: ModelConfig
+    params: Params
+    cache: KvCache
+
+    def forward(self, input_ids: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """Hidden states after the last layer (before the final norm), [T, hidden]."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the given rows."""
+
+
+class DecoderClass(Protocol):
+    """How the runner builds a model: its config, its weights, the KV cache, the longest
+    context (its rotary table's length)."""
+
+    def __call__(self, config: ModelConfig, params: Params, cache: KvCache,
+                 max_position: int) -> Decoder: ...
