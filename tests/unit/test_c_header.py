@@ -255,7 +255,16 @@ def test_the_layout_record_matches_the_c_structs() -> None:
 @pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, SCHED_HOST],
                          ids=lambda s: s.library)
 def test_the_sources_are_package_data(sources: CudaSources) -> None:
-    """Every file a library is built from is where it says, and a wheel ships it."""
+    """Every file a library is built from is where it says, and a wheel ships it; the
+    files it declares are exactly what its main file includes, directly or not (the
+    build cache is named by their hash: a file left out would leave a stale build)."""
+    included, todo = set(), [sources.main]
+    while todo:
+        name = todo.pop()
+        if name not in included:
+            included.add(name)
+            todo += re.findall(r'^#include "([^"]+)"', sources.path(name).read_text(), re.M)
+    assert included == {sources.main, *sources.includes}
     root = Path(dpu_frontend.__file__).parent
     package_data = tomllib.loads((root.parent / "pyproject.toml").read_text())[
         "tool"]["setuptools"]["package-data"]["dpu_frontend"]
