@@ -109,7 +109,7 @@ def test_every_rule_has_releases_to_check() -> None:
     assert found["ack_seq"] == ["mailbox_ack"]
 
 
-@pytest.mark.parametrize("name", MUTATIONS)
+@pytest.mark.parametrize("name", MUTATIONS, ids=lambda name: name.replace(" ", "-"))
 def test_each_reordering_in_the_source_is_caught(name: str) -> None:
     file, edits, expected = MUTATIONS[name]
     text = SOURCES[file]

@@ -175,7 +175,7 @@ BROKEN: dict[str, tuple[type[DpuChannel], type[GpuChannel], str]] = {
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-@pytest.mark.parametrize("broken", BROKEN, ids=str)
+@pytest.mark.parametrize("broken", BROKEN, ids=lambda name: name.replace(" ", "-"))
 def test_each_reordering_fails_after_the_rings_wrapped(broken: str, geometry: Geometry) -> None:
     dpu_type, gpu_type, failure = BROKEN[broken]
     with pytest.raises((AssertionError, ProtocolError), match=failure):

@@ -206,7 +206,7 @@ def test_a_channel_reset_under_the_daemon_is_a_protocol_error() -> None:
         stale.poll()
 
 
-@pytest.mark.parametrize("tokens", [(1,), (1, 2, 3)], ids=["one token", "three tokens"])
+@pytest.mark.parametrize("tokens", [(1,), (1, 2, 3)], ids=["one-token", "three-tokens"])
 @pytest.mark.parametrize("laps", [0, 1, 3])
 def test_a_record_of_another_epoch_is_refused_on_any_lap(laps: int, tokens: tuple[int, ...]) -> None:
     """A step of the previous attachment, still in flight, stores the very record the DPU
