@@ -44,9 +44,10 @@ from dpu_frontend.ring import (
     WriteOp,
 )
 from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
+from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import COMMIT, RequestRecord, decode_request
 
-from .interleave import GEOMETRIES, Seeded, everywhere, explore, run
+from .interleave import GEOMETRIES, Seeded, apply, everywhere, explore, run
 
 REQ_CONSUMED = GPU_CTRL_STRUCT.offset("req_consumed")
 
@@ -163,6 +164,32 @@ def test_the_dpu_may_run_after_every_gpu_access(geometry: Geometry) -> None:
 def test_seeded_schedules_cut_polls_and_steps_anywhere(geometry: Geometry) -> None:
     for seed in range(100):
         run(geometry, Seeded(seed))
+
+
+def check_credits(dpu_type: type[DpuChannel]) -> None:
+    """The ring full, the GPU publishes between a poll's WRITEs and its READs: it must find
+    no slot that the poll's window READ is still to fetch."""
+    plan = Geometry(req_slots=2, resp_slots=4, max_sequences=2, arena_bytes=256).plan(instance=5)
+    layout, mem = plan.channels[0], AtomicMemory(bytearray(plan.region_size))
+    gpu, dpu = GpuChannel(mem, layout), dpu_type(layout, 1)
+    gpu.reset(1)
+    first = [ResponseRecord(1, (i,)) for i in range(4)]
+    assert gpu.publish(first) == 4
+    poll = dpu.begin_poll()
+    for op in poll.writes:
+        apply(mem, op)
+    assert gpu.publish([ResponseRecord(2, (9,))]) == 0, "a credit released an unread slot"
+    records, _ = dpu.end_poll(poll, [mem.read(r.offset, r.length) for r in poll.reads], 1.0)
+    assert records == first
+
+
+def test_a_credit_releases_no_slot_the_same_polls_window_is_to_fetch() -> None:
+    check_credits(DpuChannel)
+
+
+def test_a_credit_for_the_window_is_caught_by_the_script() -> None:
+    with pytest.raises(AssertionError, match="released an unread slot"):
+        check_credits(EarlyCredit)
 
 
 BROKEN: dict[str, tuple[type[DpuChannel], type[GpuChannel], str]] = {
