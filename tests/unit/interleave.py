@@ -382,24 +382,48 @@ class Seeded:
             world.dpu.step(rng.choice((1, 1, 2, 3, 5, 8)))
 
 
-def explore(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
-            gpu_type: type[GpuChannel] = GpuChannel, *, later: bool | None = None) -> int:
-    """Every schedule ``Preempt`` makes of the lockstep run's points (only those of the
-    first lap of either ring, ``later=False``, or only after both rings wrapped,
-    ``later=True``); the first that fails raises, with the schedule in a note.
-    Returns how many ran."""
-    base = World(geometry, dpu_type, gpu_type)
-    base.run(lockstep)
+def schedules(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
+              gpu_type: type[GpuChannel] = GpuChannel, *, later: bool | None = None) -> list[Preempt]:
+    """Every schedule ``Preempt`` makes of the lockstep run's points: all of them, only
+    those of the first lap of either ring (``later=False``), or only those after both
+    rings wrapped (``later=True``). The lockstep run itself must pass, and fill both
+    rings."""
+    base = run(geometry, lockstep, dpu_type, gpu_type)
     if not base.full_request_ring or not base.gpu.channel.counters.ring_full_waits:
         raise AssertionError("the lockstep run never filled both rings: the traffic is too light")
-    schedules = []
+    out = []
     for point, turn in enumerate(base.turns):
         if later is None or turn.later == later:
-            schedules.append(Preempt(point))
-            schedules += [Preempt(point, ops) for ops in range(1, turn.ops)]
-    for schedule in schedules:
+            out.append(Preempt(point))
+            out += [Preempt(point, ops) for ops in range(1, turn.ops)]
+    return out
+
+
+def explore(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
+            gpu_type: type[GpuChannel] = GpuChannel, *, later: bool | None = None) -> int:
+    """Run every schedule of ``schedules``; the first that fails raises, with the schedule
+    in a note. Returns how many ran."""
+    found = schedules(geometry, dpu_type, gpu_type, later=later)
+    for schedule in found:
         run(geometry, schedule, dpu_type, gpu_type)
-    return len(schedules)
+    return len(found)
+
+
+def failures(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
+             gpu_type: type[GpuChannel] = GpuChannel, *, later: bool | None = None) -> list[Exception]:
+    """How each schedule of ``schedules`` fails (the lockstep run's failure alone, if it
+    fails): for a broken half, every failure must be the one that should catch it."""
+    try:
+        found = schedules(geometry, dpu_type, gpu_type, later=later)
+    except Exception as exc:
+        return [exc]
+    out = []
+    for schedule in found:
+        try:
+            run(geometry, schedule, dpu_type, gpu_type)
+        except Exception as exc:
+            out.append(exc)
+    return out
 
 
 def run(geometry: Geometry, schedule: Schedule, dpu_type: type[DpuChannel] = DpuChannel,

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from dpu_frontend.errors import ProtocolError
 from dpu_frontend.ring import (
     DpuChannel,
     GenerateRecord,
@@ -47,7 +46,7 @@ from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
 from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import COMMIT, RequestRecord, decode_request
 
-from .interleave import GEOMETRIES, Seeded, apply, everywhere, explore, run
+from .interleave import GEOMETRIES, Seeded, apply, everywhere, explore, failures, run
 
 REQ_CONSUMED = GPU_CTRL_STRUCT.offset("req_consumed")
 
@@ -192,21 +191,28 @@ def test_a_credit_for_the_window_is_caught_by_the_script() -> None:
         check_credits(EarlyCredit)
 
 
+DELIVERED = "the DPU decoded"  # a wrong record delivered: no check caught it
 BROKEN: dict[str, tuple[type[DpuChannel], type[GpuChannel], str]] = {
-    # name: (DPU half, GPU half, what the failure says)
+    # name: (DPU half, GPU half, how a schedule it breaks fails)
     "commit before body": (CommitFirst, GpuChannel, "the GPU took"),
     "req_consumed at the commit": (DpuChannel, ConsumedEarly, "the GPU took"),
     "req_consumed before the prompt": (DpuChannel, ConsumedBeforePrompt, "the GPU took"),
     "credit before the window READ": (EarlyCredit, GpuChannel, "carries sequence"),
     "window READ before control READ": (WindowFirst, GpuChannel, "carries sequence"),
     "resp_produced before the records": (DpuChannel, ProducedFirst, "carries sequence"),
-    "seq before body": (DpuChannel, SeqFirst, "the DPU decoded"),
+    # Nothing in the record tells: the DPU delivers the last lap's.
+    "seq before body": (DpuChannel, SeqFirst, DELIVERED),
 }
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
 @pytest.mark.parametrize("broken", BROKEN, ids=lambda name: name.replace(" ", "-"))
 def test_each_reordering_fails_after_the_rings_wrapped(broken: str, geometry: Geometry) -> None:
+    """Some schedule of the points after both rings wrapped fails as it should, and none
+    that a check could catch delivers a wrong record: one torn record slipping past the
+    DPU's sequence check, where another was refused, fails the test."""
     dpu_type, gpu_type, failure = BROKEN[broken]
-    with pytest.raises((AssertionError, ProtocolError), match=failure):
-        explore(geometry, dpu_type, gpu_type, later=True)
+    found = [str(exc) for exc in failures(geometry, dpu_type, gpu_type, later=True)]
+    assert any(failure in message for message in found), found[:3]
+    if failure != DELIVERED:
+        assert not [m for m in found if DELIVERED in m], "a wrong record was delivered"
