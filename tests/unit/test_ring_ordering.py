@@ -13,7 +13,10 @@ same exploration must fail on it, counting only the points after both rings
 have wrapped: there a slot read too early holds an older record of the same
 epoch, so nothing but the order (and the checks that depend on it) can catch
 it. A zeroed slot of the first lap carries epoch 0, which any epoch check
-refuses, whatever the order.
+refuses, whatever the order. Every such schedule runs, and none may deliver a
+wrong record where the DPU's sequence check could have refused it. The
+issue's script for credits (a full ring, the GPU publishing between a poll's
+WRITEs and its READs) is a test of its own.
 
 * ``CommitFirst``: a request's commit WRITE before its body;
 * ``ConsumedEarly``: req_consumed stored as soon as the commit word matches, or
