@@ -1,12 +1,12 @@
 """Ordering tests that can fail: the other side runs at every point, on every lap.
 
 ``interleave.py`` runs the daemon's half and the GPU's half of a channel as two
-programs on one region. Here every schedule it makes of the lockstep run must
-deliver every request and every record whole and in order: the DPU after each
-load and store of the GPU (another warp moving the producer index first), the
-GPU after each WRITE and READ of a DPU poll, the DPU after every GPU access at
-once, and seeded schedules that cut polls anywhere. The rings are small, so
-they are full at times and wrap many times.
+programs on one region. Here every schedule ``schedules.py`` makes of the
+lockstep run must deliver every request and every record whole and in order:
+the DPU after each load and store of the GPU (another warp moving the producer
+index first), the GPU after each WRITE and READ of a DPU poll, the DPU after
+every GPU access at once, and seeded schedules that cut polls anywhere. The
+rings are small, so they are full at times and wrap many times.
 
 Each reordering is also written as a deliberately broken half below, and the
 same exploration must fail on it, counting only the points after both rings
@@ -49,7 +49,8 @@ from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
 from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import COMMIT, RequestRecord, decode_request
 
-from .interleave import GEOMETRIES, Seeded, apply, everywhere, explore, failures, run
+from .interleave import GEOMETRIES, apply, run
+from .schedules import Seeded, everywhere, explore, failures
 
 REQ_CONSUMED = GPU_CTRL_STRUCT.offset("req_consumed")
 
