@@ -10,7 +10,8 @@ connection is a new attachment (a new epoch), optionally with a new layout.
 
 The GPU half answers only what the test tells it to (``emit``), or, with
 ``echo``, the prompt itself, ``echo`` tokens per record. Nothing here sleeps:
-the test decides every order.
+the test decides every order, and every wait is bounded (``within``): a check gone
+missing lets a stream run on, which must fail the test, not hang it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dpu_frontend.config import PeerAddress, ServeConfig
 from dpu_frontend.errors import DpuFrontendError, TransportError
@@ -40,6 +41,23 @@ from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.transport.base import Transport
 
 SMALL = Geometry(channels=1, req_slots=8, arena_bytes=4096, resp_slots=16, max_sequences=8)
+#: What an in-memory test waits for comes within a few poll intervals; a wait this long
+#: never ends.
+WAIT_S = 5.0
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], what: str, seconds: float = WAIT_S) -> T:
+    """``awaitable``'s result, or an AssertionError saying ``what`` did not come."""
+    scope = asyncio.timeout(seconds)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if not scope.expired():
+            raise  # the awaitable's own
+        raise AssertionError(f"{what}: not within {seconds} s") from None
 
 
 @dataclass
@@ -88,15 +106,19 @@ class LoopbackGpu:
 
     async def wait_for(self, count: int, *, cancels: int = 0) -> list[Arrival]:
         """Until ``count`` generates (and ``cancels`` cancels) have arrived."""
-        while len(self.arrivals) < count or len(self.cancels) < cancels:
-            self._changed.clear()
-            await self._changed.wait()
+        def arrived() -> bool:
+            return len(self.arrivals) >= count and len(self.cancels) >= cancels
+
+        await within(self._until(arrived), f"{count} generates and {cancels} cancels at the GPU")
         return list(self.arrivals.values())
 
     async def wait_exchanges(self, count: int) -> None:
         """Until the daemon has run ``count`` more batches."""
         target = self.exchanges + count
-        while self.exchanges < target:
+        await within(self._until(lambda: self.exchanges >= target), f"{count} more batches")
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        while not done():
             self._changed.clear()
             await self._changed.wait()
 
@@ -200,7 +222,10 @@ class LoopbackPeer:
         return self.sessions[-1].gpu
 
     async def wait_sessions(self, count: int) -> LoopbackGpu:
-        while len(self.sessions) < count:
-            self._connected.clear()
-            await self._connected.wait()
+        async def connected() -> None:
+            while len(self.sessions) < count:
+                self._connected.clear()
+                await self._connected.wait()
+
+        await within(connected(), f"session {count}")
         return self.gpu

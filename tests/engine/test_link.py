@@ -22,13 +22,18 @@ from dpu_frontend.errors import (
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, Geometry, ResponseRecord, SamplingParams
 from tests.engine.conftest import ADDRESS, serve_config
-from tests.engine.loopback import LoopbackPeer
+from tests.engine.loopback import LoopbackPeer, within
 
 PARAMS = SamplingParams(max_tokens=16)
 
 
 async def read_all(request: RingRequest) -> list[ResponseRecord]:
-    return [record async for record in request]
+    """Every record of ``request`` through its final one, or its error; bounded: a record
+    the link should have refused lets the stream run on."""
+    async def records() -> list[ResponseRecord]:
+        return [record async for record in request]
+
+    return await within(records(), f"request {request.request_id}: its end")
 
 
 def aborted(metrics: Metrics, reason: str) -> float:

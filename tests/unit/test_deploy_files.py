@@ -18,6 +18,7 @@ from dpu_frontend.daemon import CLOSE_GRACE_S
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.settings import SETTINGS, build
 from dpu_frontend.text import assets
+from tests.tools import arm64
 from tests.tools.lower_bounds import lower_bounds
 
 ROOT = Path(__file__).parent.parent.parent
@@ -81,6 +82,21 @@ def test_ci_tests_every_runtime_dependency_at_its_lower_bound() -> None:
     assert "tests/unit tests/engine tests/http" in dev
     gate = re.search(r"tests\.tools\.junit_gate (.*)", dev)
     assert gate is not None and "lower-bounds-junit.xml" in gate.group(1)
+
+
+def test_every_lane_bounds_each_test_in_time(pytestconfig: pytest.Config) -> None:
+    """pytest-timeout is in the test extra (the native, lower-bounds and RDMA lanes install
+    it with the project, the arm64 lane from the same list), on in this run, bounding by
+    SIGALRM (the test fails where it hangs and the run goes on), never turned off."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extra = pyproject["project"]["optional-dependencies"]["test"]
+    assert "pytest-timeout" in {Requirement(r).name for r in extra}
+    assert "pytest-timeout" in {Requirement(r).name for r in arm64.requirements()}
+    ini = pyproject["tool"]["pytest"]["ini_options"]
+    assert ini["timeout"] > 0 and ini["timeout_method"] == "signal"
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    dev = (ROOT / "deploy/dev.sh").read_text() + (ROOT / "tests/tools/arm64.py").read_text()
+    assert "no:timeout" not in dev and "--timeout" not in dev
 
 
 INSTALLERS = ("deploy/bluefield/install.sh", "deploy/container/Containerfile", "deploy/dev.sh")

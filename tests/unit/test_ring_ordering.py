@@ -1,151 +1,133 @@
-"""Ordering tests that can fail: the other side runs between every WRITE and every store.
+"""Ordering tests that can fail: the other side runs at every point, on every lap.
 
-The pump of test_ring_pump.py applies a whole batch before the other side
-looks, so it passes even when a writer puts a marker before the data it
-covers. Here the reader runs after *each* operation:
+``interleave.py`` runs the daemon's half and the GPU's half of a channel as two
+programs on one region. Here every schedule ``schedules.py`` makes of the
+lockstep run must deliver every request and every record whole and in order:
+the DPU after each load and store of the GPU (another warp moving the producer
+index first), the GPU after each WRITE and READ of a DPU poll, the DPU after
+every GPU access at once, and seeded schedules that cut polls anywhere. The
+rings are small, so they are full at times and wrap many times.
 
-* DPU -> GPU: the request WRITEs of a batch are applied one at a time, and the
-  GPU side polls its request ring after each;
-* GPU -> DPU: every store the GPU side makes goes through ``Interleaving``,
-  which then lets another warp advance the producer index and the DPU poll.
+Each reordering is also written as a deliberately broken half below, and the
+same exploration must fail on it, counting only the points after both rings
+have wrapped: there a slot read too early holds an older record of the same
+epoch, so nothing but the order (and the checks that depend on it) can catch
+it. A zeroed slot of the first lap carries epoch 0, which any epoch check
+refuses, whatever the order. Every such schedule runs, and none may deliver a
+wrong record where the DPU's sequence check could have refused it. The
+issue's script for credits (a full ring, the GPU publishing between a poll's
+WRITEs and its READs) is a test of its own.
 
-Each check is also run against a deliberately broken writer and must fail
-there, which shows it catches that reordering:
-
-* ``CommitFirst`` writes a request's commit word before its body: the GPU
-  reads the previous lap's (here: zero) body, refuses it as a record of
-  another epoch, and the request is lost -> ``test_commit_before_body_is_caught``;
-* ``ProducedFirst`` stores ``resp_produced`` before the records it covers: the
-  DPU reads a slot whose ``seq`` is stale -> ``test_produced_before_records_is_caught``;
-* ``SeqFirst`` stores a record's ``seq`` before its body: another warp moves
-  ``resp_produced`` over it and the DPU decodes the previous lap's body ->
-  ``test_seq_before_body_is_caught``;
-* ``WindowFirst`` reads the record window before the control block (the
-  GPU publishes between the two READs here): the index covers a record the
-  window read too early -> ``test_window_before_control_is_caught``.
+* ``CommitFirst``: a request's commit WRITE before its body;
+* ``ConsumedEarly``: req_consumed stored as soon as the commit word matches, or
+  between the body and the prompt: the DPU rewrites the slot or the arena span
+  before the GPU has read it;
+* ``EarlyCredit``: a poll's credit WRITE releases the records its own window
+  READ has yet to fetch: the GPU publishes into them first;
+* ``WindowFirst``: the window READ before the control READ;
+* ``ProducedFirst``: resp_produced stored before the records it covers;
+* ``SeqFirst``: a record's seq stored before its body.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 
-from dpu_frontend.errors import ProtocolError
 from dpu_frontend.ring import (
     DpuChannel,
-    FinishReason,
     GenerateRecord,
     Geometry,
     GpuChannel,
     Poll,
+    ReadOp,
     ResponseRecord,
-    SamplingParams,
     WriteOp,
 )
-from dpu_frontend.ring.dpu import ReadOp
+from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
 from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.ring.records import COMMIT
+from dpu_frontend.ring.records import COMMIT, RequestRecord, decode_request
 
-from .test_ring_pump import apply
+from .interleave import GEOMETRIES, apply, run
+from .schedules import Seeded, everywhere, explore, failures
 
-GEOMETRY = Geometry(req_slots=4, arena_bytes=1024, resp_slots=8, max_sequences=4)
+REQ_CONSUMED = GPU_CTRL_STRUCT.offset("req_consumed")
 
-
-class Interleaving:
-    """``AtomicMemory`` that runs ``after`` once each store has landed (not re-entrantly)."""
-
-    def __init__(self, mem: AtomicMemory) -> None:
-        self.mem = mem
-        self.after: Callable[[], None] = lambda: None
-        self._inside = False
-
-    def load_acquire(self, offset: int) -> int:
-        return self.mem.load_acquire(offset)
-
-    def read(self, offset: int, length: int) -> bytes:
-        return self.mem.read(offset, length)
-
-    def store_release(self, offset: int, value: int) -> None:
-        self.mem.store_release(offset, value)
-        self._other_side()
-
-    def write(self, offset: int, data: bytes | memoryview) -> None:
-        self.mem.write(offset, data)
-        self._other_side()
-
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
-        """Stores without the other side running (it is the one running now)."""
-        inside, self._inside = self._inside, True
-        try:
-            yield
-        finally:
-            self._inside = inside
-
-    def _other_side(self) -> None:
-        if not self._inside:
-            self._inside = True
-            try:
-                self.after()
-            finally:
-                self._inside = False
-
-
-# -- DPU -> GPU --------------------------------------------------------------------
+# -- the daemon's half, broken on purpose ----------------------------------------------
 
 
 class CommitFirst(DpuChannel):
-    """Broken on purpose: each commit WRITE goes before the body it commits."""
+    """Each commit WRITE goes before the body it commits."""
 
     def take_writes(self) -> tuple[list[WriteOp], list[int]]:
         writes, sent = super().take_writes()
         out: list[WriteOp] = []
         for op in writes:
-            if len(op.data) == len(COMMIT.pack(0)) and out and op.offset + 8 == out[-1].offset:
+            if len(op.data) == COMMIT.size and out and op.offset + 8 == out[-1].offset:
                 out.insert(len(out) - 1, op)
             else:
                 out.append(op)
         return out, sent
 
 
-def check_requests(dpu_type: type[DpuChannel]) -> None:
-    """The GPU polls after every WRITE; whatever it takes must be whole and correct."""
-    layout = GEOMETRY.plan(instance=3).channels[0]
-    mem = AtomicMemory(bytearray(GEOMETRY.plan(instance=3).region_size))
-    gpu = GpuChannel(mem, layout)
-    gpu.reset(1)
-    dpu = dpu_type(layout, 1)
-    prompts = {rid: list(range(rid, rid + 5 * rid)) for rid in (1, 2, 3)}
-    for rid, prompt in prompts.items():
-        dpu.submit(rid, prompt, SamplingParams(max_tokens=rid))
-    taken: dict[int, tuple[int, ...]] = {}
-    writes, _sent = dpu.take_writes()
-    for op in writes:
-        apply(mem, op)
-        for record, copied in gpu.poll_requests():
-            assert isinstance(record, GenerateRecord)
-            assert record.params.max_tokens == record.request_id
-            taken[record.request_id] = copied
-    assert gpu.counters.bad_records == 0, "the GPU saw a committed record before its body"
-    assert taken == {rid: tuple(p) for rid, p in prompts.items()}
+class EarlyCredit(DpuChannel):
+    """The credit WRITE of a poll also releases the records its window READ is to fetch."""
+
+    def begin_poll(self) -> Poll:
+        poll = super().begin_poll()
+        if len(poll.reads) < 2:
+            return poll
+        window = poll.reads[1]
+        released = window.position + window.count
+        self._resp_published = released  # its own bound on resp_produced moves with it
+        credit = WriteOp(self.layout.dpu_ctrl_offset, DPU_CTRL.pack(released))
+        return Poll([*poll.writes, credit], poll.reads, poll.sent)
 
 
-def test_request_records_are_whole_whenever_the_gpu_looks() -> None:
-    check_requests(DpuChannel)
+class WindowFirst(DpuChannel):
+    """The record window is READ before the control block."""
+
+    def begin_poll(self) -> Poll:
+        poll = super().begin_poll()
+        return Poll(poll.writes, poll.reads[::-1], poll.sent)
+
+    def end_poll(self, poll: Poll, data: Sequence[bytes | memoryview],
+                 now: float) -> tuple[list[ResponseRecord], list[ReadOp]]:
+        return super().end_poll(Poll(poll.writes, poll.reads[::-1], poll.sent), data[::-1], now)
 
 
-def test_commit_before_body_is_caught() -> None:
-    with pytest.raises(AssertionError, match="before its body"):
-        check_requests(CommitFirst)
+# -- the GPU's half, broken on purpose ---------------------------------------------------
 
 
-# -- GPU -> DPU --------------------------------------------------------------------
+class ConsumedEarly(GpuChannel):
+    """req_consumed is released as soon as a record's commit word matches (``AFTER``
+    "commit"), or once its body is read ("body"), before its prompt is copied out."""
+
+    AFTER = "commit"
+
+    def poll_requests(self) -> list[tuple[RequestRecord, tuple[int, ...]]]:
+        out: list[tuple[RequestRecord, tuple[int, ...]]] = []
+        lay, mem = self.layout, self.mem
+        while mem.load_acquire(lay.req_slot_offset(self.consumed + 1)) == self.consumed + 1:
+            seq = self.consumed + 1
+            self._next_seq = seq + 1
+            if self.AFTER == "commit":
+                mem.store_release(lay.gpu_ctrl_offset + REQ_CONSUMED, seq)
+            record = decode_request(mem.read(lay.req_slot_offset(seq), lay.req_slot_size), self.epoch)
+            if self.AFTER == "body":
+                mem.store_release(lay.gpu_ctrl_offset + REQ_CONSUMED, seq)
+            assert isinstance(record, GenerateRecord)  # this traffic has no cancels
+            out.append((record, self._read_prompt(record)))
+        return out
+
+
+class ConsumedBeforePrompt(ConsumedEarly):
+    AFTER = "body"
 
 
 class ProducedFirst(GpuChannel):
-    """Broken on purpose: resp_produced moves before the records it covers exist."""
+    """resp_produced moves before the records it covers exist."""
 
     def publish(self, records: list[ResponseRecord]) -> int:
         positions = self.reserve(len(records))
@@ -157,88 +139,84 @@ class ProducedFirst(GpuChannel):
 
 
 class SeqFirst(GpuChannel):
-    """Broken on purpose: a record's seq is stored before its body."""
+    """A record's seq is stored before its body."""
 
     def write(self, position: int, record: ResponseRecord) -> None:
-        slot = self.layout.resp_slot_offset(position)
-        self.mem.store_release(slot, position + 1)
+        self.mem.store_release(self.layout.resp_slot_offset(position), position + 1)
         super().write(position, record)
 
 
-class WindowFirst(DpuChannel):
-    """Broken on purpose: the record window is READ before the control block."""
-
-    def begin_poll(self) -> Poll:
-        poll = super().begin_poll()
-        return Poll(poll.writes, poll.reads[::-1], poll.sent)
-
-    def end_poll(self, poll: Poll, data: Sequence[bytes | memoryview],
-                 now: float) -> tuple[list[ResponseRecord], list[ReadOp]]:
-        return super().end_poll(Poll(poll.writes, poll.reads[::-1], poll.sent), data[::-1], now)
+# -- the tests -----------------------------------------------------------------------------
 
 
-def check_responses(gpu_type: type[GpuChannel], dpu_type: type[DpuChannel] = DpuChannel) -> None:
-    """The DPU polls after every GPU store (another warp advancing the index first), and
-    the GPU publishes one more record between the poll's two READs; the DPU must
-    receive exactly the records published, in order, over several laps."""
-    plan = GEOMETRY.plan(instance=3)
-    layout = plan.channels[0]
-    mem = Interleaving(AtomicMemory(bytearray(plan.region_size)))
-    gpu = gpu_type(mem, layout)
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+@pytest.mark.parametrize("later", [False, True], ids=["first-lap", "after-both-rings-wrapped"])
+def test_the_other_side_may_run_at_every_point(later: bool, geometry: Geometry) -> None:
+    """The DPU after each GPU load and store, the GPU after each WRITE and READ of a poll:
+    on the first lap of either ring, where a slot read too early is zero, and after,
+    where it holds an older record of this epoch."""
+    assert explore(geometry, later=later) > (150 if later else 25)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_the_dpu_may_run_after_every_gpu_access(geometry: Geometry) -> None:
+    run(geometry, everywhere)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_seeded_schedules_cut_polls_and_steps_anywhere(geometry: Geometry) -> None:
+    for seed in range(100):
+        run(geometry, Seeded(seed))
+
+
+def check_credits(dpu_type: type[DpuChannel]) -> None:
+    """The ring full, the GPU publishes between a poll's WRITEs and its READs: it must find
+    no slot that the poll's window READ is still to fetch."""
+    plan = Geometry(req_slots=2, resp_slots=4, max_sequences=2, arena_bytes=256).plan(instance=5)
+    layout, mem = plan.channels[0], AtomicMemory(bytearray(plan.region_size))
+    gpu, dpu = GpuChannel(mem, layout), dpu_type(layout, 1)
     gpu.reset(1)
-    dpu = dpu_type(layout, 1)
-    got: list[ResponseRecord] = []
-    sent: list[ResponseRecord] = []
-    backlog: list[ResponseRecord] = []
-    clock = [0.0]
-
-    def publish(batch: list[ResponseRecord]) -> int:
-        n = gpu.publish(batch)
-        sent.extend(batch[:n])
-        return n
-
-    def dpu_polls(gpu_between_reads: bool = False) -> None:
-        gpu.advance()  # another warp moves the index over what it finds published
-        clock[0] += 1
-        poll = dpu.begin_poll()
-        for op in poll.writes:
-            apply(mem.mem, op)
-        data = []
-        for read in poll.reads:
-            data.append(mem.mem.read(read.offset, read.length))
-            if gpu_between_reads and backlog:
-                with mem.quiet():  # the GPU goes on between the two READs
-                    del backlog[:publish(backlog[:1])]
-        records, more = dpu.end_poll(poll, data, clock[0])
-        for read in more:
-            records += dpu.on_records(read, mem.mem.read(read.offset, read.length))
-        got.extend(records)
-
-    mem.after = dpu_polls  # (not re-entrant: no publish inside a publish)
-    for lap in range(3):  # more records than slots: the ring wraps, old bodies remain
-        backlog += [ResponseRecord(10 * lap + i, (lap, i), FinishReason.NONE) for i in range(6)]
-        while backlog:
-            del backlog[:publish(backlog[:2])]  # the DPU polls between these stores
-            dpu_polls(gpu_between_reads=True)
-    for _ in range(3):
-        dpu_polls()
-    assert got == sent, "the DPU received a record that was not the one published"
+    first = [ResponseRecord(1, (i,)) for i in range(4)]
+    assert gpu.publish(first) == 4
+    poll = dpu.begin_poll()
+    for op in poll.writes:
+        apply(mem, op)
+    assert gpu.publish([ResponseRecord(2, (9,))]) == 0, "a credit released an unread slot"
+    records, _ = dpu.end_poll(poll, [mem.read(r.offset, r.length) for r in poll.reads], 1.0)
+    assert records == first
 
 
-def test_response_records_are_whole_whenever_the_dpu_looks() -> None:
-    check_responses(GpuChannel)
+def test_a_credit_releases_no_slot_the_same_polls_window_is_to_fetch() -> None:
+    check_credits(DpuChannel)
 
 
-def test_produced_before_records_is_caught() -> None:
-    with pytest.raises(ProtocolError, match="index before the record"):
-        check_responses(ProducedFirst)
+def test_a_credit_for_the_window_is_caught_by_the_script() -> None:
+    with pytest.raises(AssertionError, match="released an unread slot"):
+        check_credits(EarlyCredit)
 
 
-def test_seq_before_body_is_caught() -> None:
-    with pytest.raises((AssertionError, ProtocolError)):
-        check_responses(SeqFirst)
+DELIVERED = "the DPU decoded"  # a wrong record delivered: no check caught it
+BROKEN: dict[str, tuple[type[DpuChannel], type[GpuChannel], str]] = {
+    # name: (DPU half, GPU half, how a schedule it breaks fails)
+    "commit before body": (CommitFirst, GpuChannel, "the GPU took"),
+    "req_consumed at the commit": (DpuChannel, ConsumedEarly, "the GPU took"),
+    "req_consumed before the prompt": (DpuChannel, ConsumedBeforePrompt, "the GPU took"),
+    "credit before the window READ": (EarlyCredit, GpuChannel, "carries sequence"),
+    "window READ before control READ": (WindowFirst, GpuChannel, "carries sequence"),
+    "resp_produced before the records": (DpuChannel, ProducedFirst, "carries sequence"),
+    # Nothing in the record tells: the DPU delivers the last lap's.
+    "seq before body": (DpuChannel, SeqFirst, DELIVERED),
+}
 
 
-def test_window_before_control_is_caught() -> None:
-    with pytest.raises((AssertionError, ProtocolError)):
-        check_responses(GpuChannel, WindowFirst)
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+@pytest.mark.parametrize("broken", BROKEN, ids=lambda name: name.replace(" ", "-"))
+def test_each_reordering_fails_after_the_rings_wrapped(broken: str, geometry: Geometry) -> None:
+    """Some schedule of the points after both rings wrapped fails as it should, and none
+    that a check could catch delivers a wrong record: one torn record slipping past the
+    DPU's sequence check, where another was refused, fails the test."""
+    dpu_type, gpu_type, failure = BROKEN[broken]
+    found = [str(exc) for exc in failures(geometry, dpu_type, gpu_type, later=True)]
+    assert any(failure in message for message in found), found[:3]
+    if failure != DELIVERED:
+        assert not [m for m in found if DELIVERED in m], "a wrong record was delivered"

@@ -24,7 +24,6 @@ from dpu_frontend.ring import (
     GpuChannel,
     ResponseRecord,
     SamplingParams,
-    WriteOp,
 )
 from dpu_frontend.ring.layout import ALIGN
 from dpu_frontend.ring.mailbox import (
@@ -38,13 +37,7 @@ from dpu_frontend.ring.mailbox import (
 from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import REQUEST_BODY_OFFSET, encode_request_body
 
-
-def apply(mem: AtomicMemory, op: WriteOp) -> None:
-    """One RDMA WRITE: an 8-byte marker as one release store, anything else as a copy."""
-    if len(op.data) == 8 and op.offset % 8 == 0:
-        mem.store_release(op.offset, int.from_bytes(op.data, "little"))
-    else:
-        mem.write(op.offset, op.data)
+from .interleave import apply
 
 
 class Pump:
@@ -211,6 +204,41 @@ def test_a_channel_reset_under_the_daemon_is_a_protocol_error() -> None:
     stale.gpu.publish([ResponseRecord(1, (1,))])
     with pytest.raises(ProtocolError, match="earlier attachment"):
         stale.poll()
+
+
+@pytest.mark.parametrize("tokens", [(1,), (1, 2, 3)], ids=["one-token", "three-tokens"])
+@pytest.mark.parametrize("laps", [0, 1, 3])
+def test_a_record_of_another_epoch_is_refused_on_any_lap(laps: int, tokens: tuple[int, ...]) -> None:
+    """A step of the previous attachment, still in flight, stores the very record the DPU
+    reads next, with the right sequence word: only its epoch tells. After the first lap
+    the slot's old record has this epoch too, so the check cannot lean on zeroed slots.
+    One token and three: ``decode_responses`` reads the first in one unpack."""
+    pump = Pump(small(), epoch=2)
+    for i in range(laps * pump.ch.resp_slots):
+        pump.gpu.publish([ResponseRecord(1, (i,))])
+        assert pump.poll() == [ResponseRecord(1, (i,))]
+    pump.gpu.epoch = 1
+    pump.gpu.publish([ResponseRecord(1, tokens)])
+    with pytest.raises(ProtocolError, match="earlier attachment"):
+        pump.poll()
+
+
+@pytest.mark.parametrize("laps", [0, 1, 3])
+def test_a_request_record_of_another_epoch_is_counted_and_skipped_on_any_lap(laps: int) -> None:
+    """The GPU side's twin: a record a daemon of the previous attachment wrote, with the
+    commit word the GPU expects next, is bad; the channel goes on."""
+    pump = Pump(small(), epoch=2)
+    for rid in range(1, laps * pump.ch.req_slots + 1):
+        pump.dpu.submit(rid, [rid], SamplingParams(max_tokens=1))
+        pump.flush()
+        assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [rid]
+        pump.gpu.publish([ResponseRecord(rid, (), FinishReason.STOP)])
+        pump.poll()
+    pump.dpu.epoch = 1
+    pump.dpu.submit(100, [1], SamplingParams(max_tokens=1))
+    pump.flush()
+    assert pump.gpu.poll_requests() == []
+    assert pump.gpu.counters.bad_records == 1 and pump.gpu.consumed == laps * pump.ch.req_slots + 1
 
 
 def test_the_gpu_counts_and_skips_a_corrupt_record() -> None:
