@@ -45,15 +45,16 @@ Tile = tuple[int, int, int, int, int]
 #: Tiles by weight shape (N, K) for 16-bit inputs; others get ``DEFAULT_TILE``.
 #: benchmarks/linear_tiles.py measures the candidates; only tiles whose output is
 #: bit for bit the default's are taken, so a tile changes speed, never a token.
-#: Measured on an H200 (docs/gpu.md, "Linear tiles"): narrower, deeper tiles for the
-#: Qwen3-0.6B projections back to the hidden size, whose N of 1024 gives the default
-#: tile too few programs to fill the GPU.
+#: The table is keyed by shape alone, whichever model has it: a shape measured once
+#: serves every model that has it. Measured on an H200 (docs/gpu.md, "Linear tiles"):
+#: narrower, deeper tiles for projections back to a hidden size of 1,024, whose N
+#: gives the default tile too few programs to fill the GPU.
 LINEAR_TILES: dict[tuple[int, int], Tile] = {
-    (1024, 2048): (64, 32, 128, 4, 3),  # o_proj
-    (1024, 3072): (64, 32, 128, 4, 4),  # down
-    # The LM head over a step's sampled rows: 128-row tiles read its 311 MB weight half
-    # as often at large batches (H100, 256 rows: 280 against 480 us; 1 row: 112 against
-    # 107 us).
+    (1024, 2048): (64, 32, 128, 4, 3),  # attention output: 16 heads of 128 -> 1,024
+    (1024, 3072): (64, 32, 128, 4, 4),  # MLP down: 3,072 -> 1,024
+    # An output head of 151,936 rows over a step's sampled rows: 128-row tiles read its
+    # 311 MB weight half as often at large batches (H100, 256 rows: 280 against 480 us;
+    # 1 row: 112 against 107 us).
     (151936, 1024): (128, 64, 64, 4, 3),
 }
 DEFAULT_TILE: Tile = (64, 64, 64, 4, 4)

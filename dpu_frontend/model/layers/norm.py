@@ -16,8 +16,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, BLOCK: tl.
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    # As HF's Qwen3RMSNorm: normalize in float32, round to the input dtype, then
-    # multiply by the weight in that dtype.
+    # As HF's Llama-family RMSNorm: normalize in float32, round to the input dtype,
+    # then multiply by the weight in that dtype.
     y = (x * rstd).to(w.dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
