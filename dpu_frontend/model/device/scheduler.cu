@@ -331,14 +331,9 @@ struct sched_intake {
     }
 };
 
-/* Request records a channel's intake takes in one pass: a burst of arrivals
- * delays the running sequences' next step by that many records at most; the
- * rest wait for the next pass. */
-constexpr uint64_t INTAKE_PER_PASS = 256;
-
-/* Take in the committed records of attached channel c, all threads. */
+/* Take in every committed record of attached channel c, all threads. */
 __device__ void intake(const sched_args &a, uint32_t c, sched_smem &sm) {
-    intake_walk(a.region, a.channels + c, a.chan + c, INTAKE_PER_PASS, sm.ring, sched_intake{a, c, sm});
+    intake_walk(a.region, a.channels + c, a.chan + c, UINT64_MAX, sm.ring, sched_intake{a, c, sm});
 }
 
 /* ---- E. the step's inputs -------------------------------------------------- */
