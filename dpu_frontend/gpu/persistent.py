@@ -186,7 +186,11 @@ class PersistentKernel(PeerKernel, Generic[LibraryT]):
         lib, handle = self._lib, self._handle
         if handle is not None and lib is not None:
             if lib.stop(handle, STOP_TIMEOUT_MS) != 0:
-                log.error("%s did not stop: %s", self.what, lib.error())
+                # destroy leaves the kernels' memory to them; so is the region they map:
+                # unmapping it under a running kernel would pull it from under it.
+                log.error("%s did not stop: %s; its region stays mapped", self.what, lib.error())
+                self._handle = None
+                return
             if self._mailbox is not None:
                 self._mailbox.release()  # the pinned area goes with the library's handle
             self._mailbox = self._mailbox_buffer = None
