@@ -732,6 +732,9 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
     memcpy(a->eos, p->eos, sizeof a->eos);
     a->eos_count = p->eos_count;
     a->idle_ns = p->idle_ns ? p->idle_ns : 2000u;
+    /* device_alloc zeroes on the legacy stream, which m->stream (non-blocking) does
+     * not wait for: a late memset would overwrite what init_kernel lays out. */
+    DPUF_CHECK(cudaDeviceSynchronize());
     init_kernel<<<1, 1, 0, m->stream>>>(a->s, *c, arena);
     DPUF_CHECK(cudaGetLastError());
     DPUF_CHECK(cudaStreamSynchronize(m->stream));
