@@ -14,7 +14,7 @@ from typing import cast
 from dpu_frontend.model.models.base import DecoderClass, ModelSpec, decoder_weights
 
 MODELS: dict[str, ModelSpec] = {
-    "Qwen3ForCausalLM": ModelSpec("qwen3", "qwen3:Qwen3", decoder_weights(qk_norm=True), qk_norm=True),
+    "Qwen3ForCausalLM": ModelSpec("qwen3", "qwen3:Qwen3", decoder_weights(qk_norm=True)),
 }
 
 

@@ -63,8 +63,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
     return x
 
 
-
-
 class RotaryTable:
     """cos and sin for every position up to ``max_position``, in the model dtype (as HF
     applies them), for heads of ``head_dim`` and the base ``theta``."""

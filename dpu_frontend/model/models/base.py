@@ -134,12 +134,15 @@ class ModelSpec:
     model_type: str
     implementation: str
     weights: WeightTable
-    #: A per-head RMSNorm of q and k before RoPE.
-    qk_norm: bool = False
     #: The ``rope_scaling`` types its rotary table implements (none: plain RoPE).
     rope_scaling: tuple[str, ...] = ()
     #: MLP activations it implements (config.json's ``hidden_act``).
     activations: tuple[str, ...] = ("silu",)
+
+    @property
+    def qk_norm(self) -> bool:
+        """A per-head RMSNorm of q and k before RoPE: the table has their weights."""
+        return any(p.name == "q_norm" for p in self.weights.layer)
 
     def check(self, d: dict[str, Any]) -> None:
         """Refuse what this architecture's implementation does not do (ValueError)."""
