@@ -29,7 +29,7 @@ from tests.stack import Stack
 
 #: The model engine's tests import torch, Triton and transformers at the top; where
 #: those are missing (CI) they are not even collected, unless GPU tests are required.
-_MODEL_STACK = ("torch", "triton", "transformers", "numpy")
+_MODEL_STACK = ("torch", "triton", "transformers", "numpy", "cupy")
 if os.environ.get("DPU_FRONTEND_REQUIRE_GPU") == "1" or all(
         importlib.util.find_spec(m) for m in _MODEL_STACK):
     import torch
@@ -37,7 +37,7 @@ if os.environ.get("DPU_FRONTEND_REQUIRE_GPU") == "1" or all(
     from dpu_frontend.model.runner import ModelRunner
 else:
     collect_ignore = ["test_model.py", "test_model_serving.py", "test_record_writer.py",
-                      "test_gpu_scheduler.py"]
+                      "test_gpu_scheduler.py", "test_gpu_region.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)
