@@ -100,12 +100,10 @@ def explore(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
 
 def failures(geometry: Geometry, dpu_type: type[DpuChannel] = DpuChannel,
              gpu_type: type[GpuChannel] = GpuChannel, *, later: bool | None = None) -> list[Exception]:
-    """How each schedule of ``schedules`` fails (the lockstep run's failure alone, if it
-    fails): for a broken half, every failure must be the one that should catch it."""
-    try:
-        found = schedules(geometry, dpu_type, gpu_type, later=later)
-    except Exception as exc:
-        return [exc]
+    """How each schedule of ``schedules`` fails: for a broken half, every failure must be
+    the one that should catch it. A half that breaks the lockstep run itself raises
+    here: it has no schedules to explore (the caller says whether it expected that)."""
+    found = schedules(geometry, dpu_type, gpu_type, later=later)
     out = []
     for schedule in found:
         try:
