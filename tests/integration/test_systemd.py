@@ -41,6 +41,10 @@ async def test_ready_watchdog_and_stopping(tmp_path: Path) -> None:
             stack.daemon.send_signal(signal.SIGTERM)
             stopping = await asyncio.to_thread(receive, sock, "STOPPING=1")
             assert "STATUS=draining" in stopping[-1]
+            # Its exit, before the stack's own SIGTERM: a second one landing after the
+            # loop closed (its handlers gone) would kill it, exit status -15 (seen once
+            # in CI on a loaded machine).
+            assert await asyncio.to_thread(stack.daemon.wait, 30) == 0
 
 
 @pytest.mark.parametrize("unit", ["dpu-frontend.service", "dpu-frontend-peer.service"])
