@@ -3,9 +3,6 @@ failure while running, a bug included, with its traceback (issue 10, defect 11).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import pytest
 
 from dpu_frontend import cli, daemon
@@ -14,13 +11,8 @@ from dpu_frontend.peer import server
 
 
 @pytest.fixture(autouse=True)
-def _root_logger() -> Iterator[None]:
-    """``main`` configures the root logger (onto the captured stderr): put it back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _root_logger(restored_root_logger: None) -> None:
+    """``main`` configures the root logger: conftest puts it back after each test."""
 
 
 async def _serve_fails(config: ServeConfig) -> int:

@@ -5,8 +5,6 @@ benchmarks invoke them, so every flag keeps its name, default, choices and meani
 from __future__ import annotations
 
 import argparse
-import logging
-from collections.abc import Iterator
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -71,13 +69,8 @@ FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
 
 
 @pytest.fixture(autouse=True)
-def _root_logger() -> Iterator[None]:
-    """``main`` configures the root logger: put it back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _root_logger(restored_root_logger: None) -> None:
+    """``main`` configures the root logger: conftest puts it back after each test."""
 
 
 def subcommand(command: str) -> argparse.ArgumentParser:
