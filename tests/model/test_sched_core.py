@@ -4,8 +4,9 @@ The core, built for the host, and ``dpu_frontend.model.scheduler`` are driven
 by the same seeded workloads: arrivals, steps under ring credits, stops,
 cancels, and KV caches small enough that sequences are preempted and
 admission waits. Every step must give the same batch (works, admissions,
-preemptions, held channels), the same graph, and the same bytes in that
-graph's static inputs as ``metadata.step_inputs`` and ``GraphShape.fill``.
+preemptions, held channels), the same graph, the same bytes in that
+graph's static inputs as ``metadata.step_inputs`` and ``GraphShape.fill``,
+and at its commit the KV positions read that the host engine counts.
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ class Twin:
             self.steps += 1
             self.check_inputs(batch)
         self.py.commit(batch)
-        self.c.commit()
+        # The KV positions the step read, counted as the host engine counts them
+        # (EngineStats.context_tokens): the GPU scheduler's context_tokens.
+        assert self.c.commit() == sum(w.start + w.count for w in batch.works)
         for w in batch.works:
             seq = w.seq
             if w.sample and seq.status is Status.RUNNING and (

@@ -411,18 +411,27 @@ DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
 
 /* Work i ran: its KV is in the cache and, if it samples, its sequence has one
  * more token. A sequence is in one work at most, so the works of a step may
- * be committed in any order, by any threads (the kernel strides over them). */
-DPUF_SCHED_FN void dpuf_sched_commit_work(dpuf_sched *s, int32_t i) {
+ * be committed in any order, by any threads (the kernel strides over them).
+ * Returns the KV positions the work's attention read, its context and its own
+ * tokens (start + count), whatever its sequence's state: what the host
+ * engine's EngineStats.context_tokens counts (dpuf_model_stats.context_tokens,
+ * the bandwidth bound of the steps that ran). */
+DPUF_SCHED_FN uint64_t dpuf_sched_commit_work(dpuf_sched *s, int32_t i) {
     const dpuf_sched_work *w = &s->works[i];
     dpuf_sched_seq *q = &s->seqs[w->seq];
-    if (q->status != DPUF_SEQ_RUNNING) return;
+    const uint64_t context = (uint64_t)w->start + (uint64_t)w->count;
+    if (q->status != DPUF_SEQ_RUNNING) return context;
     q->computed = w->start + w->count;
     q->generated += w->sample;
+    return context;
 }
 
-/* The step ran: every work committed (the host build's loop). */
-DPUF_SCHED_FN void dpuf_sched_commit(dpuf_sched *s) {
-    for (int32_t i = 0; i < s->n_works; i++) dpuf_sched_commit_work(s, i);
+/* The step ran: every work committed (the host build's loop). Returns the
+ * step's KV positions read, the sum of dpuf_sched_commit_work's. */
+DPUF_SCHED_FN uint64_t dpuf_sched_commit(dpuf_sched *s) {
+    uint64_t context = 0;
+    for (int32_t i = 0; i < s->n_works; i++) context += dpuf_sched_commit_work(s, i);
+    return context;
 }
 
 /* ---- the step's metadata, in the smallest captured graph that holds it */

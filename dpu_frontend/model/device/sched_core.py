@@ -122,6 +122,7 @@ class ModelStats(ctypes.Structure):
         ("ns_prepare", ctypes.c_uint64),
         ("ns_idle", ctypes.c_uint64),
         ("ns_step", ctypes.c_uint64),
+        ("context_tokens", ctypes.c_uint64),
     )
 
 
@@ -195,7 +196,7 @@ class HostSchedCore:
             "dpuf_sched_host_finish": ((vp, i32), ctypes.c_int),
             "dpuf_sched_host_set_credit": ((vp, i32, i64), None),
             "dpuf_sched_host_schedule": ((vp,), None),
-            "dpuf_sched_host_commit": ((vp,), None),
+            "dpuf_sched_host_commit": ((vp,), u64),
             "dpuf_sched_host_graph_for": ((vp,), i32),
             "dpuf_sched_host_fill": ((vp, i32), i32),
             "dpuf_sched_host_batch": ((vp, p32, p32, p32, p32), u64),
@@ -260,8 +261,9 @@ class HostSchedCore:
         return StepBatch(works[:n].copy(), admitted[:a].tolist(), preempted[:p].tolist(), held,
                          free)
 
-    def commit(self) -> None:
-        self._lib.dpuf_sched_host_commit(self._handle)
+    def commit(self) -> int:
+        """The step ran; returns its KV positions read (``dpuf_sched_commit``'s)."""
+        return int(self._lib.dpuf_sched_host_commit(self._handle))
 
     def graph_for(self) -> int:
         return int(self._lib.dpuf_sched_host_graph_for(self._handle))

@@ -75,7 +75,7 @@ EXPORT void dpuf_sched_host_schedule(dpuf_sched_host *h) {
     h->total = dpuf_sched_layout(&h->s, h->at);
 }
 
-EXPORT void dpuf_sched_host_commit(dpuf_sched_host *h) { dpuf_sched_commit(&h->s); }
+EXPORT uint64_t dpuf_sched_host_commit(dpuf_sched_host *h) { return dpuf_sched_commit(&h->s); }
 
 EXPORT int32_t dpuf_sched_host_graph_for(dpuf_sched_host *h) { return dpuf_sched_graph_for(&h->s, h->total); }
 

@@ -132,6 +132,7 @@ struct sched_smem {
     uint64_t t;     /* thread 0's clock of the phase timers */
     uint64_t ph[PH_COUNT]; /* this pass's phases so far */
     dpuf_sched_span total;             /* the step's tokens, tiles and samples */
+    unsigned long long context;        /* the step's KV positions read, summed at the commit */
     dpuf_sched_span at[SCHED_MAX_SEQS]; /* where each work's rows, tiles and sample row start */
 };
 
@@ -431,11 +432,15 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
 }
 
 /* All threads: the step ran (it will have, by the time anyone reads them).
- * sched_core's per-work commit, the works strided over the threads. */
-__device__ void commit(const sched_args &a) {
+ * sched_core's per-work commit, the works strided over the threads, and the
+ * KV positions they read into sm.context (zeroed at the schedule): one shared
+ * atomic per thread that had works, where a reduction would add barriers. */
+__device__ void commit(const sched_args &a, sched_smem &sm) {
     dpuf_sched *s = a.s;
     const int32_t n = s->n_works;
-    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dpuf_sched_commit_work(s, i);
+    uint64_t context = 0;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) context += dpuf_sched_commit_work(s, i);
+    if (context) atomicAdd(&sm.context, (unsigned long long)context);
     __syncthreads();
 }
 
@@ -531,6 +536,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                     if (s->held >> c & 1u) a.chan[c].counters[CNT_RING_FULL]++;
             }
             sm.total = dpuf_sched_layout(s, sm.at);
+            sm.context = 0;
             sm.graph = s->n_works ? dpuf_sched_graph_for(s, sm.total) : -1;
             if (s->n_works && sm.graph < 0) a.stats->error = DPUF_MODEL_ERR_NO_GRAPH;
         }
@@ -557,13 +563,14 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         load_admitted(a);
         fill_inputs(a, g, sm);
         const int32_t v = build_rows(a, g, sm);
-        commit(a);
+        commit(a, sm);
         if (threadIdx.x == 0) {
             a.ctl->n_rows = (uint32_t)sm.total.sample;
             dpuf_model_stats *st = a.stats;
             st->steps++;
             st->tokens += (uint64_t)sm.total.row;
             st->sampled += (uint64_t)sm.total.sample;
+            st->context_tokens += (uint64_t)sm.context;
             st->admitted += (uint64_t)s->n_admitted;
             st->variants[v]++;
             mirror(a);

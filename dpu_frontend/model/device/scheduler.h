@@ -121,6 +121,10 @@ typedef struct dpuf_model_stats {
     uint64_t ns_prepare;      /* 152 */
     uint64_t ns_idle;         /* 160 */
     uint64_t ns_step;         /* 168 */
+    /* KV positions the steps' attention read: each work's start + count, its
+     * context and its own tokens, as the host engine's
+     * EngineStats.context_tokens (with `steps`, a run's bandwidth bound). */
+    uint64_t context_tokens;  /* 176 */
 } dpuf_model_stats;
 
 /* dpuf_model_stats.error: what stopped the scheduler. */
