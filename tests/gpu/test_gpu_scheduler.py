@@ -82,6 +82,8 @@ async def test_kv_exhaustion_preempts_and_waits_and_changes_no_token(
     assert kernel["scheduler"] == "gpu"
     assert kernel["preemptions"] > 0, kernel
     assert kernel["running"] == 0 and kernel["waiting"] == 0 and kernel["free_blocks"] == 20
+    # Each work reads its context and its own tokens: more positions than tokens in all.
+    assert kernel["context_tokens"] > kernel["tokens"] > 0, kernel
     print(f"12 requests in a 640-token cache: {kernel['preemptions']} preemptions, "
           f"{kernel['steps']} steps, every answer the host engine's")
 
