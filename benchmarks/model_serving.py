@@ -1,7 +1,9 @@
 """The model behind the daemon under load: ShareGPT lengths, Poisson arrivals, a ladder of rates.
 
-On a GPU machine: ``dpu-frontend model-peer`` (random bf16 weights, Qwen3-0.6B
-shapes) and a daemon with ``--workers`` worker processes over the shm
+On a GPU machine: ``dpu-frontend model-peer`` (random bf16 weights; Qwen3-0.6B
+shapes, or ``--model-config FILE``'s, handed to the peer; its engine loop on the
+host or, ``--scheduler gpu``, inside the GPU) and a daemon with ``--workers``
+worker processes over the shm
 transport, and this process as the load generator on the remaining cores.
 Each request is a ShareGPT (prompt, output) length pair
 (``benchmarks/sharegpt_lengths.py``): a prompt of that many token ids and
@@ -13,9 +15,14 @@ bandwidth allows for the same mix (every weight and the K and V of each
 sequence's context read once per step, at the batch the peer allows). The load
 generator is ``benchmarks.loadgen``: ``--clients`` processes, whose CPU is
 reported beside the daemon's, so that neither passes for the model's limit.
+At each rate the peer's engine counters give the steps it took, their GPU time,
+and the bound of those very steps (``benchmarks.model_figures``): the same
+figures with either ``--scheduler``, beside the host's work per step (host) or
+the scheduler kernel's pass (gpu). Every bound is the model config's.
 
     python -m benchmarks.sharegpt_lengths --out build/sharegpt-lengths.json   # with network
     python -m benchmarks.model_serving --lengths build/sharegpt-lengths.json --rates 4 16 64 inf
+    python -m benchmarks.model_serving --model-config benchmarks/configs/qwen3-8b.json --scheduler gpu
 """
 
 from __future__ import annotations
@@ -26,69 +33,31 @@ import json
 import random
 import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from benchmarks.common import cpu_seconds, py_spy, record
 from benchmarks.loadgen import Job, run, summary
+from benchmarks.model_figures import (
+    bound_tokens_per_s,
+    describe,
+    engine_figures,
+    load_config,
+    own_peer_flags,
+)
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.config import PeerAddress
 from dpu_frontend.control.stats import peer_report
-from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.options import SCHEDULERS
 from tests.stack import running_stack
 
 VOCAB_LOW, VOCAB_HIGH = 100, 150_000
 
 
-def bound_tokens_per_s(pairs: list[tuple[int, int]], batch: int, bandwidth: float) -> float:
-    """Decode tokens/s the copy bandwidth allows with ``batch`` sequences running, at the
-    mix's mean context per generated token (a sequence's k-th token reads p + k)."""
-    config = ModelConfig.default()
-    weights = config.parameter_count() * 2
-    generated = sum(o for _, o in pairs)
-    context = sum(o * (p + o / 2) for p, o in pairs) / generated
-    step_bytes = weights + batch * context * config.kv_bytes_per_token(2)
-    return batch / (step_bytes / bandwidth)
-
-
-def engine_counters(address: PeerAddress) -> dict[str, float]:
-    kernel: dict[str, float] = asyncio.run(peer_report(address))["kernel"]
+def engine_counters(address: PeerAddress) -> dict[str, Any]:
+    kernel: dict[str, Any] = asyncio.run(peer_report(address))["kernel"]
     return kernel
-
-
-def own_bound_tokens_per_s(steps: float, context_tokens: float, tokens: float,
-                           bandwidth: float) -> float:
-    """Output tokens/s the copy bandwidth allows for the steps this run actually took:
-    every weight once a step, and the K and V of every position each step attended
-    (the engine's ``context_tokens``), at their batch sizes, tail and ramp included."""
-    config = ModelConfig.default()
-    seconds = (steps * config.parameter_count() * 2
-               + context_tokens * config.kv_bytes_per_token(2)) / bandwidth
-    return tokens / seconds if seconds else 0.0
-
-
-def engine_figures(name: str, before: dict[str, float], after: dict[str, float],
-                   output_tokens_per_s: float, bandwidth: float) -> dict[str, object]:
-    """Where the peer's time went during a run, per engine step: the engine's host work
-    (launch: schedule, inputs, graph replay; judge: stop rules), its wait for the GPU's
-    tokens, and the loop between two steps (the records in and out). Beside the output
-    rate, the bound of the run's own steps."""
-    d = {k: after[k] - before[k] for k in after}
-    steps = d["steps"] or 1
-    own = own_bound_tokens_per_s(d["steps"], d["context_tokens"], d["tokens"], bandwidth)
-    per = {k: round(d[k] / steps * 1e3, 2)
-           for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s", "gpu_s")}
-    return {
-        f"{name}: engine steps, mean sampled / scheduled tokens": f"{d['steps']:.0f}, "
-        f"{d['tokens'] / steps:.0f} / {d['scheduled_tokens'] / steps:.0f}",
-        f"{name}: per step, ms: engine (launch + wait for tokens + judge) / loop between steps":
-            f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + {per['judge_s']}) / "
-            f"{per['loop_s']}",
-        f"{name}: per step, ms: GPU time": per["gpu_s"],
-        f"{name}: bound of the run's own steps (weights + KV read each step), output tokens/s":
-            f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} of it)" if own
-            else "-",
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,19 +69,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="load generator processes")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=20261126)
+    ap.add_argument("--model-config", type=Path, metavar="FILE",
+                    help="the model's config.json (or a directory with one), handed to the "
+                         "model peer; the bounds are its (default: Qwen3-0.6B's shapes)")
+    ap.add_argument("--scheduler", choices=SCHEDULERS, default="host",
+                    help="the model peer's engine loop: on the host, or inside the GPU")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="sample the model peer with py-spy at each rate, into DIR")
     args = ap.parse_args(argv)
+    try:
+        own_flags = own_peer_flags(args.model_config, args.scheduler, args.peer_arg)
+    except ValueError as exc:
+        ap.error(str(exc))
 
+    config, origin = load_config(args.model_config)
     pairs = [tuple(p) for p in json.loads(args.lengths.read_text())["pairs"]]
     rng = random.Random(args.seed)
     bandwidth = copy_bandwidth(torch.device("cuda", 0), size=2 << 30)
     peer_args = ("--channels", str(args.workers), "--max-seqs", str(args.max_seqs),
                  "--max-model-len", "4096", "--max-sequences", "1024", "--resp-slots", "2048",
-                 *args.peer_arg)
+                 *own_flags, *args.peer_arg)
     figures: dict[str, object] = {
+        "model config": origin, "model": describe(config), "scheduler": args.scheduler,
         "lengths": f"{len(pairs)} ShareGPT pairs, prompt mean "
                    f"{statistics.mean(p for p, _ in pairs):.0f}, output mean "
                    f"{statistics.mean(o for _, o in pairs):.0f} tokens",
@@ -120,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "max sequences per step": args.max_seqs, "model peer flags": " ".join(args.peer_arg),
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         f"bound at batch {args.max_seqs}, output tokens/s":
-            round(bound_tokens_per_s(pairs, args.max_seqs, bandwidth)),
+            round(bound_tokens_per_s(config, pairs, args.max_seqs, bandwidth)),
     }
     serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000")
 
@@ -143,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                            seed=rng.randrange(1 << 30))
             tokens = sum(r.tokens for r in done.results)
             figures |= summary(done, name, full_batch=args.max_seqs if rate == float("inf") else 0)
-            figures |= engine_figures(name, engine0, engine_counters(stack.peer_address()),
+            figures |= engine_figures(name, config, engine0,
+                                      engine_counters(stack.peer_address()),
                                       tokens / done.elapsed, bandwidth)
             figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
                 (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)

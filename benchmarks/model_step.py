@@ -8,20 +8,37 @@ that many sequences of ``--context`` tokens in the paged cache and times the
 step from the host's call to its completion (metadata, forward, logits,
 sampling), best and median of ``--iters``.
 
+The model is Qwen3-0.6B's shapes, or ``--model-config FILE``'s (an HF
+config.json; ``benchmarks/configs`` holds Qwen3-8B's and Qwen3-32B's), with
+seeded random weights: the weights, the KV bytes per token and so the bound are
+that config's. The KV cache is what ``--memory-fraction`` of the GPU leaves
+after the weights (the runner's rule, as the model peer's); the largest batch
+must fit in it, which the benchmark checks before it times anything. This
+drives ``ModelRunner`` directly, with no scheduler: the model peer's
+``--scheduler`` (host or GPU) does not apply here; ``benchmarks.model_serving``
+takes it.
+
     python -m benchmarks.model_step                         # bf16, Qwen3-0.6B shapes
     python -m benchmarks.model_step --batch 1 8 64 256 --context 1024
+    python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-8b.json
+    python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-32b.json --batch 1 8 64
+
+(Qwen3-32B's 65.5 GB of bf16 weights leave an 80 GB card little room for the
+KV cache at the default ``--memory-fraction`` 0.85: there, fewer sequences and
+a larger fraction.)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
 
 from benchmarks.common import record
+from benchmarks.model_figures import describe, kv_blocks, load_config, step_bytes
 from dpu_frontend.model.blocks import BlockPool, BlockTable
-from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
@@ -74,25 +91,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-config", type=Path, metavar="FILE",
+                    help="the model's config.json (or a directory with one); the weights, "
+                         "the KV bytes and the bound are its (default: Qwen3-0.6B's shapes)")
+    ap.add_argument("--memory-fraction", type=float,
+                    default=RunnerOptions().memory_fraction,
+                    help="share of the GPU's memory in use once the KV cache is allocated "
+                         "(the model peer's flag)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU kernels' share of the largest batch's step")
     args = ap.parse_args(argv)
 
-    config = ModelConfig.default()
+    config, origin = load_config(args.model_config)
     biggest = max(args.batch)
     runner = ModelRunner(config, RunnerOptions(dtype=args.dtype, max_seqs=biggest,
                                                max_model_len=args.context + 64,
+                                               memory_fraction=args.memory_fraction,
                                                cuda_graphs=not args.eager))
     runner.load()
+    needed = kv_blocks(biggest, args.context + 1, runner.options.block_size)
+    if runner.num_blocks < needed:
+        raise SystemExit(f"the KV cache holds {runner.num_blocks} blocks of "
+                         f"{runner.options.block_size} tokens; {biggest} x {args.context + 1} "
+                         f"tokens need {needed}: smaller --batch or --context, or a larger "
+                         f"--memory-fraction")
     bandwidth = copy_bandwidth(runner.device)
     element = torch.finfo(runner.dtype).bits // 8
-    weight_bytes = config.parameter_count() * element
+    weight_bytes, _ = step_bytes(config, 0, 0, element)
     figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(runner.device),
+        "model config": origin, "model": describe(config), "dtype": args.dtype,
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         "weights, GB": round(weight_bytes / 1e9, 3), "context": args.context,
-        "CUDA graphs": not args.eager,
+        "KV cache blocks": runner.num_blocks, "CUDA graphs": not args.eager,
     }
     for size in args.batch:
         pool = BlockPool(runner.num_blocks, runner.options.block_size)
@@ -108,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-        kv_bytes = size * (args.context + 1) * config.kv_bytes_per_token(element)
+        weight_bytes, kv_bytes = step_bytes(config, size, args.context + 1, element)
         bound = (weight_bytes + kv_bytes) / bandwidth
         best, median = min(times), statistics.median(times)
         figures[f"batch {size}: step best / median, ms"] = f"{best * 1e3:.3f} / {median * 1e3:.3f}"

@@ -1,0 +1,182 @@
+"""The model benchmarks' arithmetic, without torch: a model config's bandwidth bounds,
+and the model peer's engine counters read as the same figures whichever scheduler ran.
+
+``benchmarks.model_step`` and ``benchmarks.model_serving`` take ``--model-config``
+(an HF ``config.json``; ``benchmarks/configs`` holds Qwen3-8B's and Qwen3-32B's)
+and compute every bound here from it: the weights read once a step, and the K and V
+of every position a step's attention reads. The peer's counters come in two shapes
+(``peer_report(address)["kernel"]``): the host engine's (``EngineStats`` and the
+loop's ``engine_s``/``loop_s``, ``dpu_frontend/model/source.py``) and the GPU
+scheduler's (``{"scheduler": "gpu"}`` and ``dpuf_model_stats``,
+``dpu_frontend/model/gpu_scheduler.py``). ``engine_figures`` maps both onto the
+same steps, tokens, GPU time and bound; only the host's work per step differs in
+kind (the host's launch, wait and judge against the scheduler kernel's own pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpu_frontend.model.config import ModelConfig
+
+#: Bytes of a weight and of a K or V element in the bounds of the served model: bf16,
+#: the model peer's default ``--dtype``.
+SERVED_ELEMENT = 2
+#: model-peer flags ``model_serving`` sets from its own options, never through
+#: ``--peer-arg``: the bounds are computed from the config the peer runs.
+OWN_PEER_FLAGS = ("--model-config", "--scheduler")
+
+
+def load_config(path: Path | None) -> tuple[ModelConfig, str]:
+    """The config ``--model-config`` names (a config.json or a directory with one),
+    else Qwen3-0.6B's shapes, which the model peer uses without the flag; and where it
+    came from, for the figures."""
+    if path is None:
+        return ModelConfig.default(), "the built-in Qwen3-0.6B shapes"
+    return ModelConfig.load(path), str(path)
+
+
+def own_peer_flags(model_config: Path | None, scheduler: str,
+                   extra: Sequence[str]) -> list[str]:
+    """The model peer's ``--scheduler`` and ``--model-config`` (made absolute: the peer
+    runs in a directory of its own). ValueError if ``extra`` (``--peer-arg``) sets
+    either: the peer would run one config and the bounds be another's."""
+    for flag in extra:
+        name = flag.split("=", 1)[0]
+        if name in OWN_PEER_FLAGS:
+            raise ValueError(f"--peer-arg={flag}: pass {name} to the benchmark, which hands it "
+                             f"to the model peer and computes the bounds from it")
+    flags = ["--scheduler", scheduler]
+    if model_config is not None:
+        flags += ["--model-config", str(model_config.resolve())]
+    return flags
+
+
+def describe(config: ModelConfig) -> str:
+    """The shapes that make the bounds, in one line."""
+    c = config
+    head = "tied" if c.tie_word_embeddings else "untied"
+    return (f"{c.architecture}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate "
+            f"{c.intermediate_size}, {c.num_heads} query and {c.num_kv_heads} KV heads of "
+            f"{c.head_dim}, vocabulary {c.vocab_size}, {head} LM head; "
+            f"{c.parameter_count() / 1e9:.2f}B parameters")
+
+
+def step_bytes(config: ModelConfig, batch: int, context: int, element: int) -> tuple[int, int]:
+    """A decode step's bytes read, (weights, K and V), with ``batch`` sequences each
+    attending ``context`` positions, in elements of ``element`` bytes."""
+    return (config.parameter_count() * element,
+            batch * context * config.kv_bytes_per_token(element))
+
+
+def kv_blocks(batch: int, positions: int, block_size: int) -> int:
+    """KV cache blocks that ``batch`` sequences of ``positions`` tokens each hold."""
+    return batch * -(-positions // block_size)
+
+
+def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch: int,
+                       bandwidth: float) -> float:
+    """Decode tokens/s the copy bandwidth allows with ``batch`` sequences running, at the
+    mix's mean context per generated token (a sequence's k-th token reads p + k)."""
+    generated = sum(o for _, o in pairs)
+    context = sum(o * (p + o / 2) for p, o in pairs) / generated
+    weights = config.parameter_count() * SERVED_ELEMENT
+    step = weights + batch * context * config.kv_bytes_per_token(SERVED_ELEMENT)
+    return batch / (step / bandwidth)
+
+
+def own_bound_tokens_per_s(config: ModelConfig, steps: float, context_tokens: float,
+                           tokens: float, bandwidth: float) -> float:
+    """Output tokens/s the copy bandwidth allows for the steps a run actually took:
+    every weight once a step, and the K and V of every position each step attended
+    (the engine's ``context_tokens``), at their batch sizes, tail and ramp included."""
+    seconds = (steps * config.parameter_count() * SERVED_ELEMENT
+               + context_tokens * config.kv_bytes_per_token(SERVED_ELEMENT)) / bandwidth
+    return tokens / seconds if seconds else 0.0
+
+
+def counter_deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
+    """``after - before`` of every numeric counter; what is not a number (the GPU
+    scheduler's ``"scheduler": "gpu"``) is no counter. A key the first reading lacks
+    counts from 0."""
+    def number(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    return {k: v - (before[k] if number(before.get(k)) else 0)
+            for k, v in after.items() if number(v)}
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """A run's engine steps, as either scheduler counts them."""
+
+    steps: float
+    sampled: float  # tokens drawn: the output
+    scheduled: float  # prompt and decode tokens through the model
+    #: KV positions the steps' attention read; None where the peer does not count them.
+    context: float | None
+    gpu_s: float  # the steps' GPU time
+
+    @classmethod
+    def of_host(cls, d: Mapping[str, float]) -> Steps:
+        """The host engine's ``EngineStats``: ``tokens`` are the drawn ones."""
+        return cls(d["steps"], d["tokens"], d["scheduled_tokens"], d.get("context_tokens"),
+                   d["gpu_s"])
+
+    @classmethod
+    def of_gpu(cls, d: Mapping[str, float]) -> Steps:
+        """The GPU scheduler's ``dpuf_model_stats``: ``tokens`` are the rows through the
+        model, ``sampled`` the drawn ones; ``ns_step``, a launch to the next pass's
+        start (forward, sampler and the launches between them)."""
+        return cls(d["steps"], d["sampled"], d["tokens"], d.get("context_tokens"),
+                   d["ns_step"] / 1e9)
+
+
+def is_gpu(counters: Mapping[str, Any]) -> bool:
+    """Whether a ``kernel`` report is the GPU scheduler's."""
+    return counters.get("scheduler") == "gpu"
+
+
+def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
+                   after: Mapping[str, Any], output_tokens_per_s: float,
+                   bandwidth: float) -> dict[str, object]:
+    """Where the peer's time went during a run, per engine step, from two readings of
+    its ``kernel`` counters. The same figures for both schedulers: steps and their mean
+    tokens, the steps' GPU time, and beside the output rate the bound of the run's own
+    steps. Then the host's work per step in its kind: the host engine's (launch:
+    schedule, inputs, graph replay; wait for the GPU's tokens; judge: stop rules) and
+    the loop between two steps (the records in and out), or the scheduler kernel's pass
+    (publish and retire, mailbox and intake, schedule, prepare and launch) and its
+    idle passes."""
+    gpu = is_gpu(after)
+    d = counter_deltas(before, after)
+    run = Steps.of_gpu(d) if gpu else Steps.of_host(d)
+    steps = run.steps or 1
+    figures: dict[str, object] = {
+        f"{name}: engine steps, mean sampled / scheduled tokens":
+            f"{run.steps:.0f}, {run.sampled / steps:.0f} / {run.scheduled / steps:.0f}",
+    }
+    if gpu:
+        ms = {k: round(d[f"ns_{k}"] / 1e6 / steps, 3)
+              for k in ("publish", "intake", "schedule", "prepare")}
+        figures[f"{name}: per step, ms: GPU scheduler's pass (publish + intake + schedule + "
+                f"prepare)"] = (f"{round(sum(ms.values()), 3)} ({ms['publish']} + "
+                                f"{ms['intake']} + {ms['schedule']} + {ms['prepare']})")
+        figures[f"{name}: GPU scheduler idle (passes with nothing to run), s"] = round(
+            d["ns_idle"] / 1e9, 3)
+    else:
+        per = {k: round(d[k] / steps * 1e3, 2)
+               for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s")}
+        figures[f"{name}: per step, ms: engine (launch + wait for tokens + judge) / loop "
+                f"between steps"] = (f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + "
+                                     f"{per['judge_s']}) / {per['loop_s']}")
+    figures[f"{name}: per step, ms: GPU time"] = round(run.gpu_s / steps * 1e3, 2)
+    own = (own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth)
+           if run.context is not None else 0.0)
+    figures[f"{name}: bound of the run's own steps (weights + KV read each step), output "
+            f"tokens/s"] = (f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} "
+                            f"of it)" if own else "-")
+    return figures

@@ -1,0 +1,196 @@
+"""The model benchmarks' arithmetic (``benchmarks.model_figures``), without a GPU: the
+bounds are the given model config's, and the model peer's engine counters give the
+same figures whichever scheduler ran the engine."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.model_figures import (
+    bound_tokens_per_s,
+    counter_deltas,
+    describe,
+    engine_figures,
+    kv_blocks,
+    load_config,
+    own_bound_tokens_per_s,
+    own_peer_flags,
+    step_bytes,
+)
+from dpu_frontend.cli import MODEL_OPTIONS, build_parser
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.device.sched_core import ModelStats
+from dpu_frontend.model.sampling import VARIANTS
+
+CONFIGS = Path(__file__).parent.parent.parent / "benchmarks" / "configs"
+QWEN3_8B = CONFIGS / "qwen3-8b.json"
+#: Qwen3-8B by hand: its weights (bf16) and the K and V of one token over its layers.
+WEIGHTS_8B = 8_190_735_360 * 2
+KV_8B = 2 * 36 * 8 * 128 * 2
+BANDWIDTH = 4e12
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b() -> ModelConfig:
+    return ModelConfig.load(QWEN3_8B)
+
+
+@pytest.mark.parametrize(("name", "shapes", "parameters"), [
+    ("qwen3-8b", (36, 4096, 12288, 32, 8, 128), 8.19e9),
+    ("qwen3-32b", (64, 5120, 25600, 64, 8, 128), 32.8e9),
+])
+def test_the_bundled_configs_are_qwen3s(name: str, shapes: tuple[int, ...],
+                                        parameters: float) -> None:
+    c = ModelConfig.load(CONFIGS / f"{name}.json")
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+            c.head_dim) == shapes
+    assert c.architecture == "Qwen3ForCausalLM" and c.qk_norm and not c.tie_word_embeddings
+    assert (c.vocab_size, c.max_position, c.rope_theta, c.rms_norm_eps) == (
+        151936, 40960, 1e6, 1e-6)
+    assert c.eos_token_ids == (151645,) and c.dtype == "bfloat16"
+    assert c.parameter_count() == pytest.approx(parameters, rel=2e-3)
+
+
+def test_without_a_file_the_config_is_the_peers_default() -> None:
+    config, origin = load_config(None)
+    assert config == ModelConfig.default() and "Qwen3-0.6B" in origin
+    config, origin = load_config(QWEN3_8B)
+    assert config.num_layers == 36 and origin == str(QWEN3_8B)
+    assert describe(config) == (
+        "Qwen3ForCausalLM: 36 layers, hidden 4096, intermediate 12288, 32 query and 8 KV heads "
+        "of 128, vocabulary 151936, untied LM head; 8.19B parameters")
+
+
+def test_the_bounds_are_the_given_configs(qwen3_8b: ModelConfig) -> None:
+    pairs = [(100, 200), (300, 100)]
+    # Mean context per generated token: (200 * 200 + 100 * 350) / 300 = 250.
+    want = 64 / ((WEIGHTS_8B + 64 * 250 * KV_8B) / BANDWIDTH)
+    assert bound_tokens_per_s(qwen3_8b, pairs, 64, BANDWIDTH) == pytest.approx(want)
+    assert bound_tokens_per_s(ModelConfig.default(), pairs, 64, BANDWIDTH) > 5 * want
+    own = own_bound_tokens_per_s(qwen3_8b, 1000, 80e6, 200_000, BANDWIDTH)
+    assert own == pytest.approx(200_000 / ((1000 * WEIGHTS_8B + 80e6 * KV_8B) / BANDWIDTH))
+    assert own_bound_tokens_per_s(qwen3_8b, 0, 0, 0, BANDWIDTH) == 0.0
+
+
+def test_a_decode_steps_bytes_and_blocks(qwen3_8b: ModelConfig) -> None:
+    assert step_bytes(qwen3_8b, 256, 1025, 2) == (WEIGHTS_8B, 256 * 1025 * KV_8B)
+    assert step_bytes(qwen3_8b, 1, 1, 4) == (2 * WEIGHTS_8B, 2 * KV_8B)
+    # A sequence of 1,025 positions in 32-token blocks holds 33 of them.
+    assert kv_blocks(256, 1025, 32) == 256 * 33 and kv_blocks(3, 64, 32) == 6
+
+
+def host_report(**values: float) -> dict[str, Any]:
+    """The host engine's ``kernel`` report: ``EngineStats`` and the loop's times."""
+    keys = ("steps", "tokens", "scheduled_tokens", "context_tokens", "launch_s", "wait_s",
+            "gpu_s", "judge_s", "engine_s", "loop_s")
+    return {k: values.get(k, 0) for k in keys}
+
+
+def gpu_report(**values: int) -> dict[str, Any]:
+    """The GPU scheduler's, as ``GpuSchedulerKernel.kernel_stats`` builds it from the
+    ``dpuf_model_stats`` mirror."""
+    st = ModelStats()
+    for name, value in values.items():
+        setattr(st, name, value)
+    out: dict[str, Any] = {name: int(getattr(st, name)) for name, _ in ModelStats._fields_
+                           if name != "variants"}
+    out.update({f"steps_{v}": int(st.variants[i]) for i, v in enumerate(VARIANTS)})
+    return {"scheduler": "gpu", **out}
+
+
+#: One run's figures, whichever scheduler counted it: 1,000 steps of 200 drawn and 250
+#: scheduled tokens, 80,000 positions read a step, 6 ms of GPU time a step.
+HOST_BEFORE = host_report(steps=100, tokens=1000, scheduled_tokens=1500, context_tokens=2e5,
+                          launch_s=1.0, wait_s=2.0, gpu_s=2.5, judge_s=0.5, engine_s=3.6,
+                          loop_s=0.2)
+HOST_AFTER = host_report(steps=1100, tokens=201_000, scheduled_tokens=251_500,
+                         context_tokens=80.2e6, launch_s=3.0, wait_s=7.0, gpu_s=8.5,
+                         judge_s=1.5, engine_s=11.6, loop_s=0.7)
+GPU_BEFORE = gpu_report(steps=100, tokens=1500, sampled=1000, context_tokens=200_000,
+                        ns_step=2_500_000_000, ns_idle=7_000_000_000, running=3, free_blocks=90)
+GPU_AFTER = gpu_report(steps=1100, tokens=251_500, sampled=201_000, context_tokens=80_200_000,
+                       ns_step=8_500_000_000, ns_publish=100_000_000, ns_intake=50_000_000,
+                       ns_schedule=20_000_000, ns_prepare=30_000_000, ns_idle=8_500_000_000,
+                       running=250, free_blocks=10, preemptions=2)
+STEPS = "rate: engine steps, mean sampled / scheduled tokens"
+GPU_TIME = "rate: per step, ms: GPU time"
+BOUND = "rate: bound of the run's own steps (weights + KV read each step), output tokens/s"
+HOST_WORK = "rate: per step, ms: engine (launch + wait for tokens + judge) / loop between steps"
+GPU_PASS = ("rate: per step, ms: GPU scheduler's pass (publish + intake + schedule + prepare)")
+GPU_IDLE = "rate: GPU scheduler idle (passes with nothing to run), s"
+
+
+def test_host_counters_give_the_figures(qwen3_8b: ModelConfig) -> None:
+    figures = engine_figures("rate", qwen3_8b, HOST_BEFORE, HOST_AFTER, 14_000.0, BANDWIDTH)
+    own = 200_000 / ((1000 * WEIGHTS_8B + 80e6 * KV_8B) / BANDWIDTH)
+    assert figures == {
+        STEPS: "1000, 200 / 250",
+        HOST_WORK: "8.0 (2.0 + 5.0 + 1.0) / 0.5",
+        GPU_TIME: 6.0,
+        BOUND: f"{own:.0f} (the output rate is {14_000 / own:.2f} of it)",
+    }
+
+
+def test_gpu_scheduler_counters_give_the_same_figures(qwen3_8b: ModelConfig) -> None:
+    """The GPU scheduler's report holds a string (``"scheduler": "gpu"``) and its own
+    names: ``tokens`` through the model, ``sampled`` drawn, ns of the GPU's clock."""
+    host = engine_figures("rate", qwen3_8b, HOST_BEFORE, HOST_AFTER, 14_000.0, BANDWIDTH)
+    gpu = engine_figures("rate", qwen3_8b, GPU_BEFORE, GPU_AFTER, 14_000.0, BANDWIDTH)
+    assert {k: gpu[k] for k in (STEPS, GPU_TIME, BOUND)} == {
+        k: host[k] for k in (STEPS, GPU_TIME, BOUND)}
+    assert gpu[GPU_PASS] == "0.2 (0.1 + 0.05 + 0.02 + 0.03)"
+    assert gpu[GPU_IDLE] == 1.5
+    assert set(gpu) == {STEPS, GPU_TIME, BOUND, GPU_PASS, GPU_IDLE}
+
+
+def test_the_bound_is_the_configs(qwen3_8b: ModelConfig) -> None:
+    """The same steps against Qwen3-0.6B's bytes (by hand: 596,049,920 parameters, 112 KiB
+    of K and V a token) and Qwen3-8B's."""
+    for config, weights, kv in ((ModelConfig.default(), 596_049_920 * 2, 112 * 1024),
+                                (qwen3_8b, WEIGHTS_8B, KV_8B)):
+        own = 200_000 / ((1000 * weights + 80e6 * kv) / BANDWIDTH)
+        figures = engine_figures("rate", config, GPU_BEFORE, GPU_AFTER, 14_000.0, BANDWIDTH)
+        assert figures[BOUND] == f"{own:.0f} (the output rate is {14_000 / own:.2f} of it)"
+
+
+def test_a_run_without_steps_or_positions_has_no_bound(qwen3_8b: ModelConfig) -> None:
+    idle = engine_figures("rate", qwen3_8b, GPU_AFTER, GPU_AFTER, 0.0, BANDWIDTH)
+    assert idle[STEPS] == "0, 0 / 0" and idle[BOUND] == "-" and idle[GPU_TIME] == 0.0
+    older = {k: v for k, v in GPU_AFTER.items() if k != "context_tokens"}
+    assert engine_figures("rate", qwen3_8b, GPU_BEFORE, older, 14_000.0, BANDWIDTH)[BOUND] == "-"
+
+
+def test_only_numbers_are_counters() -> None:
+    assert counter_deltas({"scheduler": "gpu", "steps": 2, "gpu_s": 0.5},
+                          {"scheduler": "gpu", "steps": 5, "gpu_s": 1.25, "new": 7,
+                           "flag": True}) == {"steps": 3, "gpu_s": 0.75, "new": 7}
+
+
+def test_the_stats_mirror_ends_with_context_tokens() -> None:
+    """Added at the end: every earlier offset stays (test_c_header holds all of them)."""
+    assert ModelStats._fields_[-1] == ("context_tokens", ctypes.c_uint64)
+    assert ModelStats.context_tokens.offset == 176 and ctypes.sizeof(ModelStats) == 184
+
+
+def test_the_serving_benchmark_hands_its_config_and_scheduler_to_the_peer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    flags = own_peer_flags(Path("qwen3-8b.json"), "gpu", ["--no-overlap",
+                                                          "--scheduler-library=/s.so"])
+    assert flags == ["--scheduler", "gpu", "--model-config", str(tmp_path / "qwen3-8b.json")]
+    options = MODEL_OPTIONS.build(build_parser().parse_args(
+        ["model-peer", *flags, "--no-overlap", "--scheduler-library=/s.so"]))
+    assert (options.config, options.scheduler) == (tmp_path / "qwen3-8b.json", "gpu")
+    assert own_peer_flags(None, "host", []) == ["--scheduler", "host"]
+
+
+@pytest.mark.parametrize("extra", [["--model-config=/other.json"], ["--scheduler", "gpu"],
+                                   ["--scheduler=host"]])
+def test_the_peer_flags_the_bounds_depend_on_are_refused_as_peer_args(
+        extra: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"pass --(model-config|scheduler) to the benchmark"):
+        own_peer_flags(None, "host", extra)
