@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"--memory-fraction")
     bandwidth = copy_bandwidth(runner.device)
     element = torch.finfo(runner.dtype).bits // 8
-    weight_bytes, _ = step_bytes(config, 0, 0, element)
+    weight_bytes = config.parameter_count() * element
     figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(runner.device),
         "model config": origin, "model": describe(config), "dtype": args.dtype,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-        weight_bytes, kv_bytes = step_bytes(config, size, args.context + 1, element)
+        _, kv_bytes = step_bytes(config, size, args.context + 1, element)
         bound = (weight_bytes + kv_bytes) / bandwidth
         best, median = min(times), statistics.median(times)
         figures[f"batch {size}: step best / median, ms"] = f"{best * 1e3:.3f} / {median * 1e3:.3f}"
