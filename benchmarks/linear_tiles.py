@@ -1,25 +1,30 @@
-"""Tile configurations of the engine's linear kernel, per weight shape, against the
-bandwidth bound of reading the weight once (GPU time, from CUDA graphs).
+"""The linear layers' tiles, by weight shape and row-count bucket, against the bandwidth
+bound of reading the weight once and against cuBLAS (GPU time, from CUDA graphs).
 
-The kernel must stay batch-invariant (dpu_frontend/model/layers): a
-configuration is a candidate only when its output is **bit for bit** the
-current configuration's, for every batch size tried, so that changing it
-changes no token of any test. For each Qwen3-0.6B linear shape and batch
-size (rows) the benchmark times every candidate (CUDA events, median of
-``--iters``) and prints it beside the bound: the weight's bytes over the
-copy bandwidth measured in the same run.
+The kernel must stay batch-invariant (dpu_frontend/model/layers/linear.py): a
+tile is a candidate only when its output is **bit for bit** the reference
+tile's, at every row count tried, so that changing it changes no token. For
+each linear of the given models (each as the model calls it: gate_up with
+SwiGLU fused, o_proj and down with the residual add, the LM head to float32)
+and each row count, the benchmark times every candidate tile of that count's
+bucket (CUDA events around a graph of ``--reps`` launches, median of
+``--iters``), the table's tile, and ``torch.matmul`` (cuBLAS, its plain bf16
+product) in the same run, beside the bound: the weight's bytes over the copy
+bandwidth measured in the same run. Each launch reads another copy of the
+weight, enough copies to overflow L2, as a model's layers do.
 
-    python -m benchmarks.linear_tiles                    # bf16, batches 1 8 64 256
-    python -m benchmarks.linear_tiles --json tiles.json  # every measurement
+    python -m benchmarks.linear_tiles                         # Qwen3-0.6B shapes
+    python -m benchmarks.linear_tiles --model-config benchmarks/configs/qwen3-8b.json
+    python -m benchmarks.linear_tiles --json tiles.json      # every measurement
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -29,40 +34,58 @@ from benchmarks.common import record
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers import linear
+from dpu_frontend.model.layers.linear import REFERENCE_TILE, Tile
 
-#: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages.
-Tile = tuple[int, int, int, int, int]
-CANDIDATES: list[Tile] = [
-    (bm, bn, bk, w, s)
-    for bm, bn, bk, w, s in itertools.product((64,), (32, 64, 128, 256), (64, 128), (4, 8),
-                                              (3, 4, 5))
-    if not (bn == 256 and bk == 128 and s == 5)  # beyond shared memory
-]
+#: Candidate tiles per row-count bucket (linear.M_BUCKETS): narrow tiles deep in K for
+#: a few rows (enough programs to stream the weight), tall ones for many.
+CANDIDATES: tuple[list[Tile], ...] = (
+    [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in (128, 256) for s in (4, 6)],
+    [(bm, bn, 128, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for s in (3, 5)],
+    [(bm, bn, 64, w, s) for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4),
+                                          (128, 128, 8)) for s in (3, 4)],
+    [(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8),
+                                          (64, 256, 4)) for s in (3, 4)],
+    [(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8),
+                                          (64, 256, 4)) for s in (3, 4)],
+)
+#: Weights per timed graph are rotated through this many bytes, beyond any L2.
+ROTATE_BYTES = 256 << 20
 
 
-def shapes(config: ModelConfig) -> dict[str, tuple[int, int, torch.dtype]]:
-    """name: (N, K, output dtype) of every linear of a layer, and the LM head."""
+@dataclass(frozen=True)
+class Shape:
+    """One linear of a decoder layer (or the head), as the model calls it."""
+
+    name: str
+    n: int  # the weight's rows (a gated weight: gate and up)
+    k: int
+    out_dtype: torch.dtype = torch.bfloat16
+    gated: bool = False
+    residual: bool = False
+
+
+def shapes(config: ModelConfig) -> list[Shape]:
     c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size, torch.bfloat16),
-            "o_proj": (c.hidden_size, q, torch.bfloat16),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size, torch.bfloat16),
-            "down": (c.hidden_size, c.intermediate_size, torch.bfloat16),
-            "lm_head": (c.vocab_size, c.hidden_size, torch.float32)}
+    return [Shape("qkv", c.q_size + 2 * c.kv_size, c.hidden_size),
+            Shape("o_proj", c.hidden_size, c.q_size, residual=True),
+            Shape("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
+            Shape("down", c.hidden_size, c.intermediate_size, residual=True),
+            Shape("lm_head", c.vocab_size, c.hidden_size, out_dtype=torch.float32)]
 
 
-def timed(call: Callable[[], object], iters: int, reps: int = 20) -> float:
-    """Microseconds per call, GPU time only: ``reps`` calls captured in a CUDA graph
-    (the engine replays its linears from graphs, so a launch costs nothing there)."""
+def timed(call: Callable[[int], object], iters: int, reps: int = 20) -> float:
+    """Microseconds per call, GPU time only: ``call(i)`` for i in range(reps) captured in
+    a CUDA graph (the engine replays its kernels from graphs, so a launch costs nothing
+    there); ``i`` picks the launch's copy of the inputs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call()  # compiles, and settles the allocator
+        call(0)  # compiles, and settles the allocator
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
+        for i in range(reps):
+            call(i)
     graph.replay()
     times = []
     for _ in range(iters):
@@ -75,68 +98,120 @@ def timed(call: Callable[[], object], iters: int, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def tile_name(tile: Tile) -> str:
+    return "x".join(map(str, tile))
+
+
+def measure(shape: Shape, batches: list[int], iters: int, bandwidth: float,
+            gen: torch.Generator) -> dict[str, object]:
+    """Every candidate of each row count's bucket, the table's tile and cuBLAS."""
+    device = torch.device("cuda")
+    n, k = shape.n, shape.k
+    copies = max(1, min(32, -(-ROTATE_BYTES // (n * k * 2))))
+    weights = [torch.randn((n, k), generator=gen, device=device).to(torch.bfloat16) * 0.05
+               for _ in range(copies)]
+    out_n = n // 2 if shape.gated else n
+    bound_us = n * k * 2 / bandwidth * 1e6
+    rows: dict[str, object] = {"n": n, "k": k, "bound_us": bound_us, "batches": {}}
+    for m in batches:
+        x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
+        residual = (torch.randn((m, out_n), generator=gen, device=device).to(torch.bfloat16)
+                    if shape.residual else None)
+
+        def run(tile: Tile | None, i: int = 0, x: torch.Tensor = x,
+                residual: torch.Tensor | None = residual) -> torch.Tensor:
+            return linear.linear(x, weights[i % copies], shape.out_dtype, gated=shape.gated,
+                                 residual=residual, tile=tile)
+
+        reference = run(REFERENCE_TILE)
+        alone = linear.linear(x[:1], weights[0], shape.out_dtype, gated=shape.gated,
+                              residual=None if residual is None else residual[:1],
+                              tile=REFERENCE_TILE)
+        if not torch.equal(alone, reference[:1]):
+            raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
+                             f"among {m} rows: the kernel is not batch-invariant")
+        table = linear.linear_tile(n, k, torch.bfloat16, m)
+        times: dict[str, float | str] = {}
+        for tile in dict.fromkeys([table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]):
+            try:
+                got = run(tile)
+            except Exception as exc:  # out of resources: not a candidate
+                times[tile_name(tile)] = type(exc).__name__
+                continue
+            if not torch.equal(got, reference):
+                times[tile_name(tile)] = "inexact"
+                continue
+            times[tile_name(tile)] = timed(partial(run, tile), iters)
+
+        def cublas(i: int, x: torch.Tensor = x) -> torch.Tensor:
+            return torch.matmul(x, weights[i % copies].T)
+
+        cublas_us = timed(cublas, iters)
+        exact = {t: v for t, v in times.items() if isinstance(v, float)}
+        best = min(exact, key=lambda t: exact[t])
+        rows["batches"][str(m)] = {  # type: ignore[index]
+            "table": tile_name(table), "best": best, "cublas_us": cublas_us, "tiles": times}
+    return rows
+
+
+def report(name: str, rows: dict[str, object]) -> tuple[str, dict[str, float]]:
+    bound = float(rows["bound_us"])  # type: ignore[arg-type]
+    figures: dict[str, float] = {"bound_us": round(bound, 1)}
+    lines = [f"{name} [N {rows['n']}, K {rows['k']}]: bound {bound:.1f} us"]
+    for m, b in rows["batches"].items():  # type: ignore[attr-defined]
+        tiles = b["tiles"]
+        table, best, ref = (tiles[b["table"]], tiles[b["best"]],
+                            tiles[tile_name(REFERENCE_TILE)])
+        lines.append(f"  M={m:>4}: table {b['table']:>14} {table:7.1f} us ({table / bound:4.2f}x)"
+                     f"  best {b['best']:>14} {best:7.1f} ({best / bound:4.2f}x)"
+                     f"  reference {ref:7.1f} ({ref / bound:4.2f}x)"
+                     f"  cuBLAS {b['cublas_us']:7.1f} ({b['cublas_us'] / bound:4.2f}x)")
+        figures |= {f"M{m}_table_us": round(table, 1), f"M{m}_best_us": round(best, 1),
+                    f"M{m}_cublas_us": round(b["cublas_us"], 1)}
+    return "\n".join(lines), figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--model-config", type=Path, action="append", metavar="FILE",
+                        help="a model's config.json (repeat; default: Qwen3-0.6B's shapes)")
+    parser.add_argument("--with-default", action="store_true",
+                        help="the built-in Qwen3-0.6B shapes as well as the --model-config ones")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
+    parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--json", type=Path, help="write every measurement here")
-    parser.add_argument("--shapes", nargs="+", choices=list(shapes(ModelConfig.default())),
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in
+                                                        shapes(ModelConfig.default())],
                         help="only these linears (default: all)")
-    parser.add_argument("--candidates", nargs="+", metavar="BMxBNxBKxWxS",
-                        help="these tiles instead of the built-in list (each shape's current "
-                             "tile is always timed too)")
     args = parser.parse_args(argv)
-    candidates = ([tuple(int(v) for v in c.split("x")) for c in args.candidates]
-                  if args.candidates else CANDIDATES)
+    configs = [(p.stem, ModelConfig.load(p)) for p in args.model_config or []]
+    if args.with_default or not configs:
+        configs.insert(0, ("qwen3-0.6b", ModelConfig.default()))
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     gen = torch.Generator(device=device).manual_seed(1)
-    out: dict[str, object] = {"copy_bandwidth_GBps": bandwidth / 1e9, "shapes": {}}
-    figures: dict[str, float] = {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write of a device copy)")
-    for name, (n, k, out_dtype) in shapes(ModelConfig.default()).items():
-        if args.shapes and name not in args.shapes:
-            continue
-        w = torch.randn((n, k), generator=gen, device=device).to(torch.bfloat16)
-        bound_us = n * k * 2 / bandwidth * 1e6
-        rows: dict[str, dict[str, float | bool]] = {}
-        current = linear.linear_tile(n, k, torch.bfloat16)
-        for tile in dict.fromkeys([current, *candidates]):
-            key = "x".join(map(str, tile))
-            rows[key] = {}
-            for m in args.batch:
-                x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
-                base = linear.linear(x, w, out_dtype)
-                try:
-                    got = linear.linear(x, w, out_dtype, tile=tile)
-                except Exception as exc:  # out of resources: not a candidate
-                    rows[key]["error"] = True
-                    print(f"{name} {key}: {type(exc).__name__}")
-                    break
-                if not torch.equal(base, got):
-                    rows[key]["exact"] = False
-                    break
-                rows[key][str(m)] = timed(partial(linear.linear, x, w, out_dtype, tile=tile),
-                                          args.iters)
-            else:
-                rows[key]["exact"] = True
-        exact = {key: r for key, r in rows.items() if r.get("exact")}
-        default = "x".join(map(str, linear.linear_tile(n, k, torch.bfloat16)))
-        best = min(exact, key=lambda key: sum(float(exact[key][str(m)]) / float(
-            exact[default][str(m)]) for m in args.batch))
-        print(f"{name} [N {n}, K {k}]: bound {bound_us:.1f} us; "
-              f"{len(exact)} of {len(rows)} tiles bit-exact")
-        for key in dict.fromkeys((default, best)):
-            times = "  ".join(f"M={m}: {float(exact[key][str(m)]):7.1f} us "
-                              f"({float(exact[key][str(m)]) / bound_us:4.2f}x)"
-                              for m in args.batch)
-            print(f"  {'current' if key == default else 'best   '} {key:>16}  {times}")
-        out["shapes"][name] = {"n": n, "k": k, "bound_us": bound_us,  # type: ignore[index]
-                               "current": default, "best": best, "tiles": rows}
-        last = str(args.batch[-1])
-        figures[f"{name}_M{last}_current_us"] = round(float(exact[default][last]), 1)
-        figures[f"{name}_M{last}_best_us"] = round(float(exact[best][last]), 1)
-        figures[f"{name}_bound_us"] = round(bound_us, 1)
+    out: dict[str, object] = {"device": torch.cuda.get_device_name(device),
+                              "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
+    figures: dict[str, object] = {"device": out["device"],
+                                  "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
+    print(f"{out['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    table: dict[tuple[int, int], list[str]] = {}
+    for model, config in configs:
+        out["models"][model] = {}  # type: ignore[index]
+        for shape in shapes(config):
+            if args.shapes and shape.name not in args.shapes:
+                continue
+            rows = measure(shape, args.batch, args.iters, bandwidth, gen)
+            out["models"][model][shape.name] = rows  # type: ignore[index]
+            text, shape_figures = report(f"{model} {shape.name}", rows)
+            print(text, flush=True)
+            figures |= {f"{model}_{shape.name}_{k}": v for k, v in shape_figures.items()}
+            best = {linear.bucket(int(m)): b["best"]
+                    for m, b in rows["batches"].items()}  # type: ignore[attr-defined]
+            table[(shape.n, shape.k)] = [best.get(i, "-") for i in range(len(CANDIDATES))]
+    print("best exact tile per bucket (M <= " + ", ".join(map(str, linear.M_BUCKETS)) + ", more):")
+    for (n, k), tiles in table.items():
+        print(f"    ({n}, {k}): ({', '.join(tiles)}),")
     record("linear_tiles", figures)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -1,17 +1,31 @@
 # Triton kernels' parameters are typed by the JIT (pointers, constexprs), not by hints.
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""The linear layer: ``x @ weight.T`` (HF's weight layout) in a Triton GEMM.
+"""The linear layer: ``x @ weight.T`` (HF's weight layout) in a Triton GEMM, with the
+epilogues a decoder layer needs fused in: SwiGLU over a gate_up projection
+(``gated``), and the residual add (``residual``).
 
 Batch-invariant (see ``dpu_frontend.model.layers``): each output element is
-reduced over K in one fixed order, set by a tile chosen by the weight's shape
-and the dtype, never by the number of rows.
+reduced over K in one order whatever the tile, so a row's bits never depend on
+the number of rows. The MMA reduces K in 16-element steps, one after the other,
+into one float32 accumulator per element: the tile's BLOCK_M, BLOCK_N and BLOCK_K,
+its warps and stages change how many elements a program holds and how far it
+loads ahead, not that order (there is no split-K). So the tile is chosen by the
+weight's shape *and* the number of rows: few rows take narrow tiles that put
+enough programs on the GPU to stream the weight at the bandwidth; many rows
+take tall tiles that read the weight once for up to 256 rows. Every tile in the
+tables gives the bits of ``REFERENCE_TILE``, held by ``tests/gpu/test_linear.py``
+for every bucket and measured by ``benchmarks/linear_tiles.py``.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import triton
 import triton.language as tl
+
+from dpu_frontend.model.layers.activation import swiglu
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -20,15 +34,22 @@ def precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
+def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+                   RESIDUAL: tl.constexpr):
+    # Row blocks vary fastest: the programs that share a block of the weight run side by
+    # side, so a weight read once from memory serves them all from L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The up half's accumulator (rows N.. of a gated weight); unused otherwise.
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
@@ -36,52 +57,80 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        if GATED:
+            u = tl.load(w_ptr + (rn[None, :] + N) * stride_wn + kk[:, None],
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
+    # Each step rounds where the unfused layers round: the projection to the output
+    # dtype, then SwiGLU, then the residual add (in float32, rounded, as torch adds).
+    y = acc.to(y_ptr.dtype.element_ty)
+    if GATED:
+        y = swiglu(y, acc_up.to(y_ptr.dtype.element_ty))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if RESIDUAL:
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
 #: A linear's tile: BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages.
 Tile = tuple[int, int, int, int, int]
-#: Tiles by weight shape (N, K) for 16-bit inputs; others get ``DEFAULT_TILE``.
-#: benchmarks/linear_tiles.py measures the candidates; only tiles whose output is
-#: bit for bit the default's are taken, so a tile changes speed, never a token.
-#: The table is keyed by shape alone, whichever model has it: a shape measured once
-#: serves every model that has it. Measured on an H200 (docs/gpu.md, "Linear tiles"):
-#: narrower, deeper tiles for projections back to a hidden size of 1,024, whose N
-#: gives the default tile too few programs to fill the GPU.
-LINEAR_TILES: dict[tuple[int, int], Tile] = {
-    (1024, 2048): (64, 32, 128, 4, 3),  # attention output: 16 heads of 128 -> 1,024
-    (1024, 3072): (64, 32, 128, 4, 4),  # MLP down: 3,072 -> 1,024
-    # An output head of 151,936 rows over a step's sampled rows: 128-row tiles read its
-    # 311 MB weight half as often at large batches (H100, 256 rows: 280 against 480 us;
-    # 1 row: 112 against 107 us).
-    (151936, 1024): (128, 64, 64, 4, 3),
-}
-DEFAULT_TILE: Tile = (64, 64, 64, 4, 4)
+#: The tile whose bits every other tile reproduces (the engine's one tile until issue 24).
+REFERENCE_TILE: Tile = (64, 64, 64, 4, 4)
+#: The row-count buckets: a tile serves M <= M_BUCKETS[i]; the last one, any M above.
+M_BUCKETS: tuple[int, ...] = (16, 64, 128, 256)
+#: One tile per bucket, for weight shapes without a row of their own.
+BUCKET_TILES: tuple[Tile, ...] = (
+    (16, 32, 128, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+)
+#: Tiles by weight shape (N, K) for 16-bit inputs, one per bucket. A gate_up weight's
+#: row is measured gated (the model's call). The table is keyed by shape alone,
+#: whichever model has it. benchmarks/linear_tiles.py measures the candidates and keeps
+#: only those bit for bit the reference's; docs/gpu.md ("Linear tiles") has the figures.
+LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {}
 FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
 
 
-def linear_tile(n: int, k: int, dtype: torch.dtype) -> Tile:
-    """The tile of a weight [N, K] with inputs of ``dtype``: by shape, never by batch."""
+def bucket(m: int) -> int:
+    """The index of the row-count bucket holding ``m`` rows."""
+    return bisect.bisect_left(M_BUCKETS, m)
+
+
+def linear_tile(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
+    """The tile of a weight [N, K] over ``m`` rows of ``dtype``: by shape and row count.
+    Float32 (the exactness tests against transformers) has one tile."""
     if dtype == torch.float32:
         return FLOAT32_TILE
-    return LINEAR_TILES.get((n, k), DEFAULT_TILE)
+    return LINEAR_TILES.get((n, k), BUCKET_TILES)[bucket(m)]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+           gated: bool = False, residual: torch.Tensor | None = None,
            tile: Tile | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout); ``tile``
-    overrides the shape's own (the tile benchmark)."""
+    """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout).
+
+    ``gated``: ``weight`` is a gate_up projection [gate | up] of [2I, K], and the result
+    is SwiGLU's ``silu(gate) * up``, [M, I] (``activation.silu_mul`` of the plain
+    product, bit for bit). ``residual`` [M, N]: the result is ``residual + x @ weight.T``,
+    rounded as torch rounds the sum. ``tile`` overrides the table's (the benchmark)."""
     m, k = x.shape
     n = weight.shape[0]
+    if gated:
+        n //= 2
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk, warps, stages = tile or linear_tile(n, k, x.dtype)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision(x.dtype),
-                         num_warps=warps, num_stages=stages)
+    if residual is not None and residual.shape != y.shape:
+        raise ValueError(f"a residual of {tuple(residual.shape)} for an output of {tuple(y.shape)}")
+    bm, bn, bk, warps, stages = tile or linear_tile(weight.shape[0], k, x.dtype, m)
+    r = residual if residual is not None else y
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _linear_kernel[grid](x, weight, y, r, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                         r.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         PRECISION=precision(x.dtype), GATED=gated,
+                         RESIDUAL=residual is not None, num_warps=warps, num_stages=stages)
     return y
-
-

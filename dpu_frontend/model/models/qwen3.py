@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from dpu_frontend.model.config import ModelConfig
-from dpu_frontend.model.layers.activation import silu_mul
 from dpu_frontend.model.layers.attention import Attention, KvCache, paged_attention
 from dpu_frontend.model.layers.linear import linear
 from dpu_frontend.model.layers.norm import rms_norm
@@ -71,9 +70,9 @@ class Qwen3:
             o = torch.empty_like(q)
             paged_attention(q, k_cache[n], v_cache[n], attn.tables, attn.tile_seq, attn.tile_row,
                             attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o)
-            h = h + linear(o.reshape(t, c.q_size), layer.o_proj)
+            h = linear(o.reshape(t, c.q_size), layer.o_proj, residual=h)
             x = rms_norm(h, layer.post_norm, eps)
-            h = h + linear(silu_mul(linear(x, layer.gate_up)), layer.down)
+            h = linear(linear(x, layer.gate_up, gated=True), layer.down, residual=h)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

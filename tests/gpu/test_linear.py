@@ -1,0 +1,93 @@
+"""The linear layer's batch invariance on a real GPU: every tile of every row-count
+bucket gives a row the bits it has alone, and the fused epilogues (SwiGLU, the
+residual add) give the bits of the unfused layers (docs/gpu.md, "Linear tiles")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.linear_tiles import CANDIDATES, Shape, shapes
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.layers import linear
+from dpu_frontend.model.layers.activation import silu_mul
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+#: Row counts at both ends of every bucket, and a few between.
+ROWS = (1, 2, 7, 16, 17, 40, 64, 65, 100, 128, 129, 200, 256, 257, 384, 512)
+#: Rows checked alone against their place in each batch: first, middle, last.
+PROBES = (0, 0.5, 1.0)
+
+
+def model_shapes() -> list[Shape]:
+    """Each linear of Qwen3-0.6B and of Qwen3-8B, as the model calls it (the 8B's head is
+    the 0.6B's width: its 151,936 x 4,096 weight would only repeat the x 1,024 one)."""
+    small = shapes(ModelConfig.default())
+    large = shapes(ModelConfig.load(CONFIGS / "qwen3-8b.json"))
+    return small + [s for s in large if s.name != "lm_head"]
+
+
+def call(shape: Shape, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
+         tile: linear.Tile | None = None) -> torch.Tensor:
+    return linear.linear(x, w, shape.out_dtype, gated=shape.gated, residual=residual, tile=tile)
+
+
+@pytest.mark.parametrize("shape", model_shapes(), ids=lambda s: f"{s.name}-{s.n}x{s.k}")
+def test_a_row_has_its_bits_alone_in_every_bucket(shape: Shape) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(shape.n * 7 + shape.k)
+    w = (torch.randn((shape.n, shape.k), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    out_n = shape.n // 2 if shape.gated else shape.n
+    x = torch.randn((max(ROWS), shape.k), generator=gen, device="cuda").to(torch.bfloat16)
+    residual = (torch.randn((max(ROWS), out_n), generator=gen, device="cuda").to(torch.bfloat16)
+                if shape.residual else None)
+    alone = torch.cat([call(shape, x[i:i + 1], w, None if residual is None else
+                            residual[i:i + 1]) for i in range(max(ROWS))])
+    tiles = 0
+    for m in ROWS:
+        r = None if residual is None else residual[:m]
+        tables = call(shape, x[:m], w, r)
+        assert torch.equal(tables, alone[:m]), f"{shape.name}: {m} rows, the table's tile"
+        # Every candidate the benchmark may pick for this bucket, as well.
+        for tile in CANDIDATES[linear.bucket(m)]:
+            try:
+                got = call(shape, x[:m], w, r, tile)
+            except Exception:  # beyond the GPU's shared memory: never picked
+                continue
+            tiles += 1
+            rows = sorted({int(p * (m - 1)) for p in PROBES})
+            assert torch.equal(got[rows], alone[rows]), f"{shape.name}: {m} rows, tile {tile}"
+    print(f"{shape.name} [{shape.n} x {shape.k}]: {len(ROWS)} row counts, {tiles} tile runs, "
+          "every row its bits alone")
+
+
+def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for m in (1, 33, 300):
+        x = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
+        gate_up = (torch.randn((6144, 1024), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+        assert torch.equal(linear.linear(x, gate_up, gated=True),
+                           silu_mul(linear.linear(x, gate_up)))
+        down = (torch.randn((1024, 3072), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+        act = torch.randn((m, 3072), generator=gen, device="cuda").to(torch.bfloat16)
+        h = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
+        assert torch.equal(linear.linear(act, down, residual=h), h + linear.linear(act, down))
+
+
+def test_float32_is_float32_matmul() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn((5, 1024), generator=gen, device="cuda", dtype=torch.float64)
+    w = torch.randn((3072, 1024), generator=gen, device="cuda", dtype=torch.float64)
+    got = linear.linear(x.float(), w.float()).double()
+    assert float((got - x @ w.T).norm() / (x @ w.T).norm()) < 1e-6
+
+
+def test_a_residual_of_another_shape_is_refused() -> None:
+    x = torch.zeros((3, 64), device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros((32, 64), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual"):
+        linear.linear(x, w, residual=torch.zeros((3, 16), device="cuda", dtype=torch.bfloat16))
