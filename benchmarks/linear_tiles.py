@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,9 +103,14 @@ def tile_name(tile: Tile) -> str:
     return "x".join(map(str, tile))
 
 
-def measure(shape: Shape, batches: list[int], iters: int, bandwidth: float,
-            gen: torch.Generator) -> dict[str, object]:
-    """Every candidate of each row count's bucket, the table's tile and cuBLAS."""
+def entry(split: int, tile: Tile) -> str:
+    return f"S{split}/{tile_name(tile)}"
+
+
+def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, bandwidth: float,
+            gen: torch.Generator) -> dict[str, Any]:
+    """Every candidate of each row count's bucket in each K split, the tables' choice
+    and cuBLAS. A candidate counts when it gives its split's reference bits."""
     device = torch.device("cuda")
     n, k = shape.n, shape.k
     copies = max(1, min(32, -(-ROTATE_BYTES // (n * k * 2))))
@@ -112,36 +118,39 @@ def measure(shape: Shape, batches: list[int], iters: int, bandwidth: float,
                for _ in range(copies)]
     out_n = n // 2 if shape.gated else n
     bound_us = n * k * 2 / bandwidth * 1e6
-    rows: dict[str, object] = {"n": n, "k": k, "bound_us": bound_us, "batches": {}}
+    table_split = linear.linear_split(n, k, torch.bfloat16)
+    rows: dict[str, Any] = {"n": n, "k": k, "bound_us": bound_us, "split": table_split,
+                               "batches": {}}
     for m in batches:
         x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
         residual = (torch.randn((m, out_n), generator=gen, device=device).to(torch.bfloat16)
                     if shape.residual else None)
 
-        def run(tile: Tile | None, i: int = 0, x: torch.Tensor = x,
+        def run(split: int, tile: Tile | None, i: int = 0, x: torch.Tensor = x,
                 residual: torch.Tensor | None = residual) -> torch.Tensor:
             return linear.linear(x, weights[i % copies], shape.out_dtype, gated=shape.gated,
-                                 residual=residual, tile=tile)
+                                 residual=residual, tile=tile, split=split)
 
-        reference = run(REFERENCE_TILE)
-        alone = linear.linear(x[:1], weights[0], shape.out_dtype, gated=shape.gated,
-                              residual=None if residual is None else residual[:1],
-                              tile=REFERENCE_TILE)
-        if not torch.equal(alone, reference[:1]):
-            raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
-                             f"among {m} rows: the kernel is not batch-invariant")
         table = linear.linear_tile(n, k, torch.bfloat16, m)
         times: dict[str, float | str] = {}
-        for tile in dict.fromkeys([table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]):
-            try:
-                got = run(tile)
-            except Exception as exc:  # out of resources: not a candidate
-                times[tile_name(tile)] = type(exc).__name__
-                continue
-            if not torch.equal(got, reference):
-                times[tile_name(tile)] = "inexact"
-                continue
-            times[tile_name(tile)] = timed(partial(run, tile), iters)
+        for split in dict.fromkeys([table_split, *splits]):
+            reference = run(split, REFERENCE_TILE)
+            alone = linear.linear(x[:1], weights[0], shape.out_dtype, gated=shape.gated,
+                                  residual=None if residual is None else residual[:1],
+                                  tile=REFERENCE_TILE, split=split)
+            if not torch.equal(alone, reference[:1]):
+                raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
+                                 f"among {m} rows: the kernel is not batch-invariant")
+            for tile in dict.fromkeys([table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]):
+                try:
+                    got = run(split, tile)
+                except Exception as exc:  # out of resources, or K's split: not a candidate
+                    times[entry(split, tile)] = type(exc).__name__
+                    continue
+                if not torch.equal(got, reference):
+                    times[entry(split, tile)] = "inexact"
+                    continue
+                times[entry(split, tile)] = timed(partial(run, split, tile), iters)
 
         def cublas(i: int, x: torch.Tensor = x) -> torch.Tensor:
             return torch.matmul(x, weights[i % copies].T)
@@ -149,26 +158,54 @@ def measure(shape: Shape, batches: list[int], iters: int, bandwidth: float,
         cublas_us = timed(cublas, iters)
         exact = {t: v for t, v in times.items() if isinstance(v, float)}
         best = min(exact, key=lambda t: exact[t])
-        rows["batches"][str(m)] = {  # type: ignore[index]
-            "table": tile_name(table), "best": best, "cublas_us": cublas_us, "tiles": times}
+        rows["batches"][str(m)] = {
+            "table": entry(table_split, table), "best": best, "cublas_us": cublas_us,
+            "tiles": times}
     return rows
 
 
-def report(name: str, rows: dict[str, object]) -> tuple[str, dict[str, float]]:
-    bound = float(rows["bound_us"])  # type: ignore[arg-type]
+def report(name: str, rows: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    bound = float(rows["bound_us"])
     figures: dict[str, float] = {"bound_us": round(bound, 1)}
     lines = [f"{name} [N {rows['n']}, K {rows['k']}]: bound {bound:.1f} us"]
-    for m, b in rows["batches"].items():  # type: ignore[attr-defined]
+    for m, b in rows["batches"].items():
         tiles = b["tiles"]
         table, best, ref = (tiles[b["table"]], tiles[b["best"]],
-                            tiles[tile_name(REFERENCE_TILE)])
-        lines.append(f"  M={m:>4}: table {b['table']:>14} {table:7.1f} us ({table / bound:4.2f}x)"
-                     f"  best {b['best']:>14} {best:7.1f} ({best / bound:4.2f}x)"
+                            tiles[entry(1, REFERENCE_TILE)])
+        lines.append(f"  M={m:>4}: table {b['table']:>17} {table:7.1f} us ({table / bound:4.2f}x)"
+                     f"  best {b['best']:>17} {best:7.1f} ({best / bound:4.2f}x)"
                      f"  reference {ref:7.1f} ({ref / bound:4.2f}x)"
                      f"  cuBLAS {b['cublas_us']:7.1f} ({b['cublas_us'] / bound:4.2f}x)")
         figures |= {f"M{m}_table_us": round(table, 1), f"M{m}_best_us": round(best, 1),
                     f"M{m}_cublas_us": round(b["cublas_us"], 1)}
     return "\n".join(lines), figures
+
+
+def best_per_split(rows: dict[str, Any], splits: list[int]) -> list[str]:
+    """Per split: the best exact tile of each bucket (the least mean time over the bucket's
+    row counts, each over its best), and the sum over the row counts of those tiles."""
+    batches: dict[str, dict[str, Any]] = rows["batches"]
+    lines = []
+    for split in splits:
+        chosen, total = [], 0.0
+        for b in range(len(CANDIDATES)):
+            ms = [m for m in batches if linear.bucket(int(m)) == b]
+            if not ms:
+                chosen.append("-")
+                continue
+            timings = [batches[m]["tiles"] for m in ms]
+            names = [t for t in timings[0] if t.startswith(f"S{split}/")
+                     and all(isinstance(ts.get(t), float) for ts in timings)]
+            if not names:
+                chosen.append("none")
+                continue
+            fastest = [min(float(ts[t]) for t in names) for ts in timings]
+            pick = min(names, key=lambda t: sum(float(ts[t]) / f
+                                                for ts, f in zip(timings, fastest, strict=True)))
+            chosen.append(pick.split("/")[1])
+            total += sum(float(ts[pick]) for ts in timings)
+        lines.append(f"    split {split}: sum {total:8.1f} us: ({', '.join(chosen)})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-default", action="store_true",
                         help="the built-in Qwen3-0.6B shapes as well as the --model-config ones")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
+    parser.add_argument("--splits", type=int, nargs="+", default=[],
+                        help="K splits to time beside each shape's own (linear.SPLIT_K)")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in
@@ -190,28 +229,28 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     gen = torch.Generator(device=device).manual_seed(1)
-    out: dict[str, object] = {"device": torch.cuda.get_device_name(device),
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device),
                               "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
     figures: dict[str, object] = {"device": out["device"],
                                   "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     print(f"{out['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    table: dict[tuple[int, int], list[str]] = {}
+    table: dict[str, list[str]] = {}
     for model, config in configs:
-        out["models"][model] = {}  # type: ignore[index]
+        out["models"][model] = {}
         for shape in shapes(config):
             if args.shapes and shape.name not in args.shapes:
                 continue
-            rows = measure(shape, args.batch, args.iters, bandwidth, gen)
-            out["models"][model][shape.name] = rows  # type: ignore[index]
+            rows = measure(shape, args.batch, args.splits, args.iters, bandwidth, gen)
+            out["models"][model][shape.name] = rows
             text, shape_figures = report(f"{model} {shape.name}", rows)
             print(text, flush=True)
             figures |= {f"{model}_{shape.name}_{k}": v for k, v in shape_figures.items()}
-            best = {linear.bucket(int(m)): b["best"]
-                    for m, b in rows["batches"].items()}  # type: ignore[attr-defined]
-            table[(shape.n, shape.k)] = [best.get(i, "-") for i in range(len(CANDIDATES))]
+            splits = list(dict.fromkeys([int(rows["split"]), *args.splits]))
+            table[f"{model} {shape.name} ({shape.n}, {shape.k})"] = best_per_split(rows, splits)
     print("best exact tile per bucket (M <= " + ", ".join(map(str, linear.M_BUCKETS)) + ", more):")
-    for (n, k), tiles in table.items():
-        print(f"    ({n}, {k}): ({', '.join(tiles)}),")
+    for name, lines in table.items():
+        print(name)
+        print("\n".join(lines))
     record("linear_tiles", figures)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -63,17 +63,43 @@ def test_a_row_has_its_bits_alone_in_every_bucket(shape: Shape) -> None:
           "every row its bits alone")
 
 
-def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit() -> None:
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit(split: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(11)
     for m in (1, 33, 300):
         x = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
         gate_up = (torch.randn((6144, 1024), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
-        assert torch.equal(linear.linear(x, gate_up, gated=True),
-                           silu_mul(linear.linear(x, gate_up)))
+        assert torch.equal(linear.linear(x, gate_up, gated=True, split=split),
+                           silu_mul(linear.linear(x, gate_up, split=split)))
         down = (torch.randn((1024, 3072), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
         act = torch.randn((m, 3072), generator=gen, device="cuda").to(torch.bfloat16)
         h = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
-        assert torch.equal(linear.linear(act, down, residual=h), h + linear.linear(act, down))
+        assert torch.equal(linear.linear(act, down, residual=h, split=split),
+                           h + linear.linear(act, down, split=split))
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
+    """Splits of K change a shape's bits (another order of the sum), the same for every
+    row count and tile: a row alone, and inside 1 to 512 rows, in every bucket."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    w = (torch.randn((4096, 4096), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    x = torch.randn((512, 4096), generator=gen, device="cuda").to(torch.bfloat16)
+    alone = torch.cat([linear.linear(x[i:i + 1], w, split=split) for i in range(512)])
+    tiles = set(linear.BUCKET_TILES)
+    for m in ROWS:
+        for tile in tiles:
+            assert torch.equal(linear.linear(x[:m], w, split=split, tile=tile), alone[:m]), \
+                f"{m} rows, tile {tile}, {split} splits"
+    unsplit = linear.linear(x[:8], w, split=1)
+    assert float((alone[:8].float() - unsplit.float()).abs().max()) < 0.05
+
+
+def test_a_split_that_cuts_a_k_block_is_refused() -> None:
+    x = torch.zeros((3, 384), device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros((64, 384), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="splits"):
+        linear.linear(x, w, split=2, tile=(16, 32, 256, 4, 4))
 
 
 def test_float32_is_float32_matmul() -> None:

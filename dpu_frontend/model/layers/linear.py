@@ -34,23 +34,39 @@ def precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-                   RESIDUAL: tl.constexpr):
-    # Row blocks vary fastest: the programs that share a block of the weight run side by
-    # side, so a weight read once from memory serves them all from L2.
+def _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, dtype: tl.constexpr,
+              GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    # Each step rounds where the unfused layers round: the projection to the output
+    # dtype, then SwiGLU, then the residual add (in float32, rounded, as torch adds).
+    y = acc.to(dtype)
+    if GATED:
+        y = swiglu(y, acc_up.to(dtype))
+    if RESIDUAL:
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+    return y
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                   stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    # Row blocks vary fastest, then the K splits: the programs that share a block of the
+    # weight run side by side, so a weight read once from memory serves them from L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
-    pid_n = pid // num_m
+    pid_k = (pid // num_m) % SPLIT
+    pid_n = pid // (num_m * SPLIT)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The up half's accumulator (rows N.. of a gated weight); unused otherwise.
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -61,15 +77,39 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, N, K, stride_xm, stride_wn, st
             u = tl.load(w_ptr + (rn[None, :] + N) * stride_wn + kk[:, None],
                         mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
             acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
-    # Each step rounds where the unfused layers round: the projection to the output
-    # dtype, then SwiGLU, then the residual add (in float32, rounded, as torch adds).
-    y = acc.to(y_ptr.dtype.element_ty)
-    if GATED:
-        y = swiglu(y, acc_up.to(y_ptr.dtype.element_ty))
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    if SPLIT == 1:
+        y = _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty,
+                      GATED, RESIDUAL)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
+    else:
+        # This split's float32 sums, [SPLIT, M, N] (and the up half's after them), for
+        # _split_sum_kernel to add in split order.
+        part = p_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(part, acc, mask=mask)
+        if GATED:
+            tl.store(part + SPLIT * M * N, acc_up, mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, y_ptr, r_ptr, M, N, stride_ym, stride_rm, SPLIT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
+                      RESIDUAL: tl.constexpr):
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    part = p_ptr + rm[:, None] * N + rn[None, :]
+    # Split 0, then 1, then 2...: one order, whatever the rows.
+    acc = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + s * M * N, mask=mask, other=0.0)
+    acc_up = acc
+    if GATED:
+        acc_up = tl.load(part + SPLIT * M * N, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc_up += tl.load(part + (SPLIT + s) * M * N, mask=mask, other=0.0)
+    y = _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty, GATED,
+                  RESIDUAL)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
@@ -127,6 +167,11 @@ LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {
                      (128, 256, 64, 8, 4), (128, 256, 64, 8, 4)),
 }
 FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
+#: K splits by weight shape (default 1), for every row count alike: a shape whose few
+#: output columns leave the GPU's multiprocessors idle, or its L2 busy with re-reads,
+#: at hundreds of rows. Each split sums its K range in the MMA's order; the splits are
+#: then added in split order. The bits are the shape's, whatever the rows.
+SPLIT_K: dict[tuple[int, int], int] = {}
 
 
 def bucket(m: int) -> int:
@@ -142,15 +187,21 @@ def linear_tile(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
     return LINEAR_TILES.get((n, k), BUCKET_TILES)[bucket(m)]
 
 
+def linear_split(n: int, k: int, dtype: torch.dtype) -> int:
+    """The K splits of a weight [N, K] with inputs of ``dtype``: by shape alone."""
+    return 1 if dtype == torch.float32 else SPLIT_K.get((n, k), 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *,
            gated: bool = False, residual: torch.Tensor | None = None,
-           tile: Tile | None = None) -> torch.Tensor:
+           tile: Tile | None = None, split: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout).
 
     ``gated``: ``weight`` is a gate_up projection [gate | up] of [2I, K], and the result
     is SwiGLU's ``silu(gate) * up``, [M, I] (``activation.silu_mul`` of the plain
     product, bit for bit). ``residual`` [M, N]: the result is ``residual + x @ weight.T``,
-    rounded as torch rounds the sum. ``tile`` overrides the table's (the benchmark)."""
+    rounded as torch rounds the sum. ``tile`` and ``split`` override the tables' (the
+    benchmark)."""
     m, k = x.shape
     n = weight.shape[0]
     if gated:
@@ -161,10 +212,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if residual is not None and residual.shape != y.shape:
         raise ValueError(f"a residual of {tuple(residual.shape)} for an output of {tuple(y.shape)}")
     bm, bn, bk, warps, stages = tile or linear_tile(weight.shape[0], k, x.dtype, m)
+    splits = split or linear_split(weight.shape[0], k, x.dtype)
+    if k % splits or (k // splits) % bk:
+        raise ValueError(f"K {k} in {splits} splits is not a whole number of {bk}-wide blocks")
     r = residual if residual is not None else y
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _linear_kernel[grid](x, weight, y, r, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                         r.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         PRECISION=precision(x.dtype), GATED=gated,
-                         RESIDUAL=residual is not None, num_warps=warps, num_stages=stages)
+    # Partial sums of the splits, float32: [SPLIT, M, N], twice over when gated.
+    part = (torch.empty(((2 if gated else 1) * splits, m, n), dtype=torch.float32,
+                        device=x.device) if splits > 1 else y)
+    grid = (triton.cdiv(m, bm) * splits * triton.cdiv(n, bn),)
+    flags = {"GATED": gated, "RESIDUAL": residual is not None}
+    _linear_kernel[grid](x, weight, y, r, part, m, n, k, k // splits, x.stride(0),
+                         weight.stride(0), y.stride(0), r.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_K=bk, SPLIT=splits, PRECISION=precision(x.dtype), **flags,
+                         num_warps=warps, num_stages=stages)
+    if splits > 1:
+        sum_m, sum_n = 4, 256
+        _split_sum_kernel[(triton.cdiv(n, sum_n), triton.cdiv(m, sum_m))](
+            part, y, r, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
+            BLOCK_N=sum_n, **flags, num_warps=4)
     return y
