@@ -9,7 +9,9 @@ reduced over K in one order whatever the tile, so a row's bits never depend on
 the number of rows. The MMA reduces K in 16-element steps, one after the other,
 into one float32 accumulator per element: the tile's BLOCK_M, BLOCK_N and BLOCK_K,
 its warps and stages change how many elements a program holds and how far it
-loads ahead, not that order (there is no split-K). So the tile is chosen by the
+loads ahead, not that order. A split of K (``SPLIT_K``), where a shape has one, is
+the shape's for every row count, its partial sums added in one order. So the tile
+is chosen by the
 weight's shape *and* the number of rows: few rows take narrow tiles that put
 enough programs on the GPU to stream the weight at the bandwidth; many rows
 take tall tiles that read the weight once for up to 256 rows. Every tile in the
@@ -170,7 +172,9 @@ FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
 #: K splits by weight shape (default 1), for every row count alike: a shape whose few
 #: output columns leave the GPU's multiprocessors idle, or its L2 busy with re-reads,
 #: at hundreds of rows. Each split sums its K range in the MMA's order; the splits are
-#: then added in split order. The bits are the shape's, whatever the rows.
+#: then added in split order. The bits are the shape's, whatever the rows. Empty: on
+#: the H100 (2026-11-27) two splits won 10-25% for Qwen3-8B's and 32B's down projection
+#: at 128-256 rows and lost 3-5% at 1-16 rows (docs/gpu.md, "Linear tiles by row count").
 SPLIT_K: dict[tuple[int, int], int] = {}
 
 
