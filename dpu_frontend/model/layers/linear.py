@@ -173,8 +173,8 @@ FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
 #: output columns leave the GPU's multiprocessors idle, or its L2 busy with re-reads,
 #: at hundreds of rows. Each split sums its K range in the MMA's order; the splits are
 #: then added in split order. The bits are the shape's, whatever the rows. Empty: on
-#: the H100 (2026-11-27) two splits won 10-25% for Qwen3-8B's and 32B's down projection
-#: at 128-256 rows and lost 3-5% at 1-16 rows (docs/gpu.md, "Linear tiles by row count").
+#: the H100 (2026-11-27) two splits won 6-22% for Qwen3-8B's and 32B's down projection
+#: at 128-256 rows and lost 0.4-5% at 1-16 rows (docs/gpu.md, "Linear tiles by row count").
 SPLIT_K: dict[tuple[int, int], int] = {}
 
 
