@@ -1,13 +1,30 @@
 # Triton kernels' parameters are typed by the JIT (pointers, constexprs), not by hints.
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Rotary position embedding: the cos/sin table and the kernel that rotates q and k
-(and writes k into the paged cache on the way)."""
+"""Rotary position embedding: the cos/sin table and the kernels that rotate q and k.
+
+``qk_norm_rope`` is what a decoder layer runs between its qkv projection and
+attention, in one launch: the per-head RMSNorm of q and k (where the
+architecture has it), RoPE, and the paged cache's writes of k and v. ``rope``
+is the unfused rotation the tests hold it to, bit for bit, beside
+``norm.rms_norm``."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
+
+
+@triton.jit
+def _rotate(x, other, d, half, cos, sin):
+    # As torch computes x * cos + rotate_half(x) * sin in the model dtype: each
+    # product rounded to it, then the sum.
+    rotated = tl.where(d < half, -other, other)
+    a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype)
+    b = (rotated.to(tl.float32) * sin.to(tl.float32)).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
@@ -25,14 +42,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, cache_ptr, cache_slo
     partner = tl.where(d < half, d + half, d - half)
     other = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + partner[None, :], mask=mask,
                     other=0.0)
-    rotated = tl.where(d[None, :] < half, -other, other)
     cos = tl.load(cos_ptr + pos * stride_ct + d)
     sin = tl.load(sin_ptr + pos * stride_ct + d)
-    # As torch computes x * cos + rotate_half(x) * sin in the model dtype: each
-    # product rounded to it, then the sum.
-    a = (x.to(tl.float32) * cos.to(tl.float32)[None, :]).to(x.dtype)
-    b = (rotated.to(tl.float32) * sin.to(tl.float32)[None, :]).to(x.dtype)
-    y = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+    y = _rotate(x, other, d[None, :], half, cos[None, :], sin[None, :])
     # Every load of the row is done before this store: in place is safe.
     tl.debug_barrier()
     tl.store(out_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :], y, mask=mask)
@@ -61,6 +73,75 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
                        HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HEAD_DIM=dim,
                        PAGE=cache.shape[2], TO_CACHE=to_cache, num_warps=4)
     return x
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
+                         k_cache_ptr, v_cache_ptr, slot_ptr, eps, N, stride_t, stride_qt,
+                         stride_ct, stride_cb, stride_ch, stride_cs, HQ: tl.constexpr,
+                         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         NORM: tl.constexpr):
+    # One program per token and head: q heads, then k heads, then v heads (qkv's order).
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    row = qkv_ptr + t * stride_t + h * HEAD_DIM
+    slot = tl.load(slot_ptr + t)
+    cache_at = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + d
+    if h >= HQ + HKV:  # v: into the cache as it is
+        tl.store(v_cache_ptr + cache_at + (h - HQ - HKV) * stride_ch, tl.load(row + d))
+    else:
+        if NORM:
+            # The per-head norm, as norm.rms_norm runs a row (the same block and warps),
+            # written back over the row: RoPE reads each element's partner from it.
+            x = tl.load(row + d, mask=d < N, other=0.0).to(tl.float32)
+            if h < HQ:
+                w = tl.load(q_norm_ptr + d, mask=d < N, other=0.0)
+            else:
+                w = tl.load(k_norm_ptr + d, mask=d < N, other=0.0)
+            tl.store(row + d, rms_normalize(x, w, N, eps).to(qkv_ptr.dtype.element_ty))
+            tl.debug_barrier()
+        half = HEAD_DIM // 2
+        pos = tl.load(pos_ptr + t)
+        x = tl.load(row + d)
+        other = tl.load(row + tl.where(d < half, d + half, d - half))
+        y = _rotate(x, other, d, half, tl.load(cos_ptr + pos * stride_ct + d),
+                    tl.load(sin_ptr + pos * stride_ct + d))
+        if h < HQ:
+            tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, y)
+        else:
+            tl.store(k_cache_ptr + cache_at + (h - HQ) * stride_ch, y)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, cache_slots: torch.Tensor,
+                 heads: int, kv_heads: int) -> torch.Tensor:
+    """A layer's attention inputs from its qkv projection [T, (Hq + 2 Hkv) D]: q [T, Hq, D]
+    normed per head (with ``q_norm`` and ``k_norm``; neither: no norm) and rotated; k
+    normed, rotated and v as it is, stored at ``cache_slots`` of the paged caches
+    [blocks, Hkv, PAGE, D]. ``qkv`` is overwritten (its q and k rows normed).
+
+    Bit for bit ``rms_norm`` of q's and k's heads, then ``rope`` (k into the cache), and
+    v copied into the cache."""
+    t = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    if qkv.stride(-1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
+        raise ValueError(f"qkv of {tuple(qkv.shape)} for {heads} + 2 x {kv_heads} heads of {dim}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches are laid out alike")
+    if (q_norm is None) != (k_norm is None) or dim & (dim - 1):
+        raise ValueError("q and k are both normed or neither, over a power-of-two head size")
+    norm = q_norm is not None
+    _qk_norm_rope_kernel[(t, heads + 2 * kv_heads)](
+        qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, positions, q, k_cache,
+        v_cache, cache_slots, eps, dim, qkv.stride(0), q.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=heads, HKV=kv_heads,
+        HEAD_DIM=dim, PAGE=k_cache.shape[2], NORM=norm, num_warps=NORM_WARPS)
+    return q
 
 
 class RotaryTable:

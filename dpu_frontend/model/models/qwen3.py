@@ -18,7 +18,7 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers.attention import Attention, KvCache, paged_attention
 from dpu_frontend.model.layers.linear import linear
 from dpu_frontend.model.layers.norm import rms_norm
-from dpu_frontend.model.layers.rope import RotaryTable, rope
+from dpu_frontend.model.layers.rope import RotaryTable, qk_norm_rope
 from dpu_frontend.model.weights import Params
 
 
@@ -52,21 +52,14 @@ class Qwen3:
         c = self.config
         eps = c.rms_norm_eps
         k_cache, v_cache = self.cache.k, self.cache.v
-        page = self.cache.page
-        blocks = attn.cache_slots // page
-        offsets = attn.cache_slots % page
         cos, sin = self.rotary.cos, self.rotary.sin
         h = F.embedding(input_ids, self.embed)
         t = h.shape[0]
         for n, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv)
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = rms_norm(q.reshape(t, c.num_heads, c.head_dim), layer.q_norm, eps)
-            k = rms_norm(k.reshape(t, c.num_kv_heads, c.head_dim), layer.k_norm, eps)
-            rope(q, cos, sin, attn.positions)
-            rope(k, cos, sin, attn.positions, k_cache[n], attn.cache_slots)
-            v_cache[n, blocks, :, offsets] = v.reshape(t, c.num_kv_heads, c.head_dim)
+            q = qk_norm_rope(linear(x, layer.qkv), layer.q_norm, layer.k_norm, eps, cos, sin,
+                             attn.positions, k_cache[n], v_cache[n], attn.cache_slots,
+                             c.num_heads, c.num_kv_heads)
             o = torch.empty_like(q)
             paged_attention(q, k_cache[n], v_cache[n], attn.tables, attn.tile_seq, attn.tile_row,
                             attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o)
