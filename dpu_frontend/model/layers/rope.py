@@ -123,7 +123,12 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     [blocks, Hkv, PAGE, D]. ``qkv`` is overwritten (its q and k rows normed).
 
     Bit for bit ``rms_norm`` of q's and k's heads, then ``rope`` (k into the cache), and
-    v copied into the cache."""
+    v copied into the cache, at a head size of 128 (every served model's; measured on
+    the H100, tests/gpu/test_qk_norm_rope.py). At 64, half of q's elements came out one
+    unit in the last place from ``rope``'s, in 16-bit types; most likely the compiler
+    contracts a product and the sum into one FMA in one of the two kernels' layouts
+    and not in the other (docs/gpu.md). Both are batch-invariant: a token's bits never depend on the
+    batch."""
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
