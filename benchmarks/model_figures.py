@@ -46,9 +46,11 @@ def own_peer_flags(model_config: Path | None, scheduler: str,
     either: the peer would run one config and the bounds be another's."""
     for flag in extra:
         name = flag.split("=", 1)[0]
-        if name in OWN_PEER_FLAGS:
-            raise ValueError(f"--peer-arg={flag}: pass {name} to the benchmark, which hands it "
-                             f"to the model peer and computes the bounds from it")
+        # argparse takes an unambiguous prefix for the whole flag: refuse those too.
+        owns = [own for own in OWN_PEER_FLAGS if len(name) > 2 and own.startswith(name)]
+        if owns:
+            raise ValueError(f"--peer-arg={flag}: pass {owns[0]} to the benchmark, which hands "
+                             f"it to the model peer and computes the bounds from it")
     flags = ["--scheduler", scheduler]
     if model_config is not None:
         flags += ["--model-config", str(model_config.resolve())]
@@ -65,10 +67,20 @@ def describe(config: ModelConfig) -> str:
             f"{c.parameter_count() / 1e9:.2f}B parameters")
 
 
+def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT) -> int:
+    """The weights' bytes a decode step reads: every parameter, but of an untied input
+    embedding only the step's own rows (a few KB, left out): the output head is read
+    whole, the embedding table is not. A tied model's one table is the head."""
+    parameters = config.parameter_count()
+    if not config.tie_word_embeddings:
+        parameters -= config.vocab_size * config.hidden_size
+    return parameters * element
+
+
 def step_bytes(config: ModelConfig, batch: int, context: int, element: int) -> tuple[int, int]:
     """A decode step's bytes read, (weights, K and V), with ``batch`` sequences each
     attending ``context`` positions, in elements of ``element`` bytes."""
-    return (config.parameter_count() * element,
+    return (weight_bytes_read(config, element),
             batch * context * config.kv_bytes_per_token(element))
 
 
@@ -83,7 +95,7 @@ def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch:
     mix's mean context per generated token (a sequence's k-th token reads p + k)."""
     generated = sum(o for _, o in pairs)
     context = sum(o * (p + o / 2) for p, o in pairs) / generated
-    weights = config.parameter_count() * SERVED_ELEMENT
+    weights = weight_bytes_read(config)
     step = weights + batch * context * config.kv_bytes_per_token(SERVED_ELEMENT)
     return batch / (step / bandwidth)
 
@@ -91,9 +103,9 @@ def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch:
 def own_bound_tokens_per_s(config: ModelConfig, steps: float, context_tokens: float,
                            tokens: float, bandwidth: float) -> float:
     """Output tokens/s the copy bandwidth allows for the steps a run actually took:
-    every weight once a step, and the K and V of every position each step attended
+    the weights once a step (``weight_bytes_read``), and the K and V of every position each step attended
     (the engine's ``context_tokens``), at their batch sizes, tail and ramp included."""
-    seconds = (steps * config.parameter_count() * SERVED_ELEMENT
+    seconds = (steps * weight_bytes_read(config)
                + context_tokens * config.kv_bytes_per_token(SERVED_ELEMENT)) / bandwidth
     return tokens / seconds if seconds else 0.0
 

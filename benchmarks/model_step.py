@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import record
-from benchmarks.model_figures import describe, kv_blocks, load_config, step_bytes
+from benchmarks.model_figures import describe, kv_blocks, load_config, step_bytes, weight_bytes_read
 from dpu_frontend.model.blocks import BlockPool, BlockTable
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
@@ -118,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"--memory-fraction")
     bandwidth = copy_bandwidth(runner.device)
     element = torch.finfo(runner.dtype).bits // 8
-    weight_bytes = config.parameter_count() * element
+    weight_bytes = weight_bytes_read(config, element)
     figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(runner.device),
         "model config": origin, "model": describe(config), "dtype": args.dtype,
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
-        "weights, GB": round(weight_bytes / 1e9, 3), "context": args.context,
+        "weights read a step, GB": round(weight_bytes / 1e9, 3), "context": args.context,
         "KV cache blocks": runner.num_blocks, "CUDA graphs": not args.eager,
     }
     for size in args.batch:

@@ -20,6 +20,7 @@ from benchmarks.model_figures import (
     own_bound_tokens_per_s,
     own_peer_flags,
     step_bytes,
+    weight_bytes_read,
 )
 from dpu_frontend.cli import MODEL_OPTIONS, build_parser
 from dpu_frontend.model.config import ModelConfig
@@ -28,8 +29,10 @@ from dpu_frontend.model.sampling import VARIANTS
 
 CONFIGS = Path(__file__).parent.parent.parent / "benchmarks" / "configs"
 QWEN3_8B = CONFIGS / "qwen3-8b.json"
-#: Qwen3-8B by hand: its weights (bf16) and the K and V of one token over its layers.
-WEIGHTS_8B = 8_190_735_360 * 2
+#: Qwen3-8B by hand: the weights a decode step reads (bf16: every parameter but the
+#: untied input embedding's 151,936 x 4,096, of which a step reads its own rows) and the
+#: K and V of one token over its layers.
+WEIGHTS_8B = (8_190_735_360 - 151_936 * 4_096) * 2
 KV_8B = 2 * 36 * 8 * 128 * 2
 BANDWIDTH = 4e12
 
@@ -147,6 +150,14 @@ def test_gpu_scheduler_counters_give_the_same_figures(qwen3_8b: ModelConfig) -> 
     assert set(gpu) == {STEPS, GPU_TIME, BOUND, GPU_PASS, GPU_IDLE}
 
 
+def test_a_step_reads_the_head_whole_and_an_untied_embedding_by_rows(
+        qwen3_8b: ModelConfig) -> None:
+    tied = ModelConfig.default()
+    assert weight_bytes_read(tied) == tied.parameter_count() * 2
+    assert weight_bytes_read(qwen3_8b) == WEIGHTS_8B
+    assert weight_bytes_read(qwen3_8b, 4) == 2 * WEIGHTS_8B
+
+
 def test_the_bound_is_the_configs(qwen3_8b: ModelConfig) -> None:
     """The same steps against Qwen3-0.6B's bytes (by hand: 596,049,920 parameters, 112 KiB
     of K and V a token) and Qwen3-8B's."""
@@ -189,7 +200,8 @@ def test_the_serving_benchmark_hands_its_config_and_scheduler_to_the_peer(
 
 
 @pytest.mark.parametrize("extra", [["--model-config=/other.json"], ["--scheduler", "gpu"],
-                                   ["--scheduler=host"]])
+                                   ["--scheduler=host"], ["--model-conf=/other.json"],
+                                   ["--sched", "gpu"]])
 def test_the_peer_flags_the_bounds_depend_on_are_refused_as_peer_args(
         extra: list[str]) -> None:
     with pytest.raises(ValueError, match=r"pass --(model-config|scheduler) to the benchmark"):

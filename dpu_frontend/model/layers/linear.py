@@ -15,8 +15,9 @@ is chosen by the
 weight's shape *and* the number of rows: few rows take narrow tiles that put
 enough programs on the GPU to stream the weight at the bandwidth; many rows
 take tall tiles that read the weight once for up to 256 rows. Every tile in the
-tables gives the bits of ``REFERENCE_TILE``, held by ``tests/gpu/test_linear.py``
-for every bucket and measured by ``benchmarks/linear_tiles.py``.
+tables gives the bits of ``REFERENCE_TILE``: ``benchmarks/linear_tiles.py`` keeps
+no other, on the shapes it measured, and ``tests/gpu/test_linear.py`` holds each
+Qwen3-0.6B and 8B shape's tiles to a row's bits alone at 1 to 512 rows.
 """
 
 from __future__ import annotations
@@ -196,6 +197,26 @@ def linear_split(n: int, k: int, dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else SPLIT_K.get((n, k), 1)
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool,
+           residual: torch.Tensor | None, split: int | None) -> None:
+    """ValueError for operands the kernel would read wrongly: it takes rows of unit
+    stride, a weight of the input's width, and a residual of the output's shape and
+    dtype (the sum is rounded to it)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x of {tuple(x.shape)} against a weight of {tuple(weight.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and the weight must have rows of unit stride")
+    if gated and (weight.shape[0] % 2 or residual is not None):
+        raise ValueError("a gated weight has an even number of rows (gate, then up) and "
+                         "takes no residual")
+    if residual is not None and (residual.shape != y.shape or residual.dtype != y.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"a residual of {tuple(residual.shape)} {residual.dtype} for an "
+                         f"output of {tuple(y.shape)} {y.dtype}, rows of unit stride")
+    if split is not None and split < 1:
+        raise ValueError(f"{split} K splits: one or more")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *,
            gated: bool = False, residual: torch.Tensor | None = None,
            tile: Tile | None = None, split: int | None = None) -> torch.Tensor:
@@ -207,17 +228,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     rounded as torch rounds the sum. ``tile`` and ``split`` override the tables' (the
     benchmark)."""
     m, k = x.shape
-    n = weight.shape[0]
-    if gated:
-        n //= 2
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    _check(x, weight, y, gated, residual, split)
     if m == 0:
         return y
-    if residual is not None and residual.shape != y.shape:
-        raise ValueError(f"a residual of {tuple(residual.shape)} for an output of {tuple(y.shape)}")
     bm, bn, bk, warps, stages = tile or linear_tile(weight.shape[0], k, x.dtype, m)
     splits = split or linear_split(weight.shape[0], k, x.dtype)
-    if k % splits or (k // splits) % bk:
+    # One split covers K with its tail masked; more must each end on a K block.
+    if splits > 1 and (k % splits or (k // splits) % bk):
         raise ValueError(f"K {k} in {splits} splits is not a whole number of {bk}-wide blocks")
     r = residual if residual is not None else y
     # Partial sums of the splits, float32: [SPLIT, M, N], twice over when gated.

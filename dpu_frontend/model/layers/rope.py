@@ -123,7 +123,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     [blocks, Hkv, PAGE, D]. ``qkv`` is overwritten (its q and k rows normed).
 
     Bit for bit ``rms_norm`` of q's and k's heads, then ``rope`` (k into the cache), and
-    v copied into the cache, at a head size of 128 (every served model's; measured on
+    v copied into the cache, at a head size of 128 (every Qwen3 size's; measured on
     the H100, tests/gpu/test_qk_norm_rope.py). At 64, half of q's elements came out one
     unit in the last place from ``rope``'s, in 16-bit types; most likely the compiler
     contracts a product and the sum into one FMA in one of the two kernels' layouts
@@ -137,9 +137,16 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     if qkv.stride(-1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
         raise ValueError(f"qkv of {tuple(qkv.shape)} for {heads} + 2 x {kv_heads} heads of {dim}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("the K and V caches are laid out alike")
-    if (q_norm is None) != (k_norm is None) or dim & (dim - 1):
-        raise ValueError("q and k are both normed or neither, over a power-of-two head size")
+        raise ValueError("the K and V caches must have one shape and one layout")
+    if k_cache.dtype != qkv.dtype or k_cache.stride(-1) != 1:
+        raise ValueError("the caches must hold qkv's dtype, in rows of unit stride")
+    if dim & (dim - 1):
+        raise ValueError(f"a head size of {dim}: the kernel takes powers of two")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k are both normed or neither")
+    if q_norm is not None and k_norm is not None and (q_norm.shape != (dim,)
+                                                      or k_norm.shape != (dim,)):
+        raise ValueError(f"q and k norms of {dim} weights each")
     norm = q_norm is not None
     _qk_norm_rope_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, positions, q, k_cache,
