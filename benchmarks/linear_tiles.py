@@ -121,7 +121,7 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
     bound_us = n * k * 2 / bandwidth * 1e6
     table_split = linear.linear_split(n, k, torch.bfloat16)
     rows: dict[str, Any] = {"n": n, "k": k, "bound_us": bound_us, "split": table_split,
-                               "batches": {}}
+                            "batches": {}}
     for m in batches:
         x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
         residual = (torch.randn((m, out_n), generator=gen, device=device).to(torch.bfloat16)
@@ -135,12 +135,11 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
         table = linear.linear_tile(n, k, torch.bfloat16, m)
         times: dict[str, float | str] = {}
         for split in dict.fromkeys([table_split, *splits]):
-            if k % split or (k // split) % REFERENCE_TILE[2]:
+            if not linear.split_fits(k, split, REFERENCE_TILE[2]):
                 continue  # the reference's K blocks do not split so: no candidates
             reference = run(split, REFERENCE_TILE)
-            alone = linear.linear(x[:1], weights[0], shape.out_dtype, gated=shape.gated,
-                                  residual=None if residual is None else residual[:1],
-                                  tile=REFERENCE_TILE, split=split)
+            alone = run(split, REFERENCE_TILE, x=x[:1],
+                        residual=None if residual is None else residual[:1])
             if not torch.equal(alone, reference[:1]):
                 raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
                                  f"among {m} rows: the kernel is not batch-invariant")
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     gen = torch.Generator(device=device).manual_seed(1)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device),
-                              "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
+                           "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
     figures: dict[str, object] = {"device": out["device"],
                                   "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
     print(f"{out['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")

@@ -192,6 +192,12 @@ def linear_tile(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
     return LINEAR_TILES.get((n, k), BUCKET_TILES)[bucket(m)]
 
 
+def split_fits(k: int, splits: int, block_k: int) -> bool:
+    """Whether ``splits`` cut K into whole ``block_k``-wide blocks; one split always fits
+    (its tail is masked)."""
+    return splits == 1 or (k % splits == 0 and (k // splits) % block_k == 0)
+
+
 def linear_split(n: int, k: int, dtype: torch.dtype) -> int:
     """The K splits of a weight [N, K] with inputs of ``dtype``: by shape alone."""
     return 1 if dtype == torch.float32 else SPLIT_K.get((n, k), 1)
@@ -235,8 +241,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
         return y
     bm, bn, bk, warps, stages = tile or linear_tile(weight.shape[0], k, x.dtype, m)
     splits = split or linear_split(weight.shape[0], k, x.dtype)
-    # One split covers K with its tail masked; more must each end on a K block.
-    if splits > 1 and (k % splits or (k // splits) % bk):
+    if not split_fits(k, splits, bk):
         raise ValueError(f"K {k} in {splits} splits is not a whole number of {bk}-wide blocks")
     r = residual if residual is not None else y
     # Partial sums of the splits, float32: [SPLIT, M, N], twice over when gated.

@@ -127,8 +127,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     the H100, tests/gpu/test_qk_norm_rope.py). At 64, half of q's elements came out one
     unit in the last place from ``rope``'s, in 16-bit types; most likely the compiler
     contracts a product and the sum into one FMA in one of the two kernels' layouts
-    and not in the other (docs/gpu.md). Both are batch-invariant: a token's bits never depend on the
-    batch."""
+    and not in the other (docs/gpu.md). Both are batch-invariant: a token's bits never
+    depend on the batch."""
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
     q = torch.empty((t, heads, dim), dtype=qkv.dtype, device=qkv.device)
