@@ -11,7 +11,10 @@ bucket (CUDA events around a graph of ``--reps`` launches, median of
 ``--iters``), the table's tile, and ``torch.matmul`` (cuBLAS, its plain bf16
 product) in the same run, beside the bound: the weight's bytes over the copy
 bandwidth measured in the same run. Each launch reads another copy of the
-weight, enough copies to overflow L2, as a model's layers do.
+weight, enough copies to overflow L2, as a model's layers do. Candidates load by
+pointers or by the TMA (names ending in ``t``); with ``--splits``, the splits
+run in one program or spread over programs (``s``), all against the bits of the
+reference tile in the same split.
 
     python -m benchmarks.linear_tiles                         # Qwen3-0.6B shapes
     python -m benchmarks.linear_tiles --model-config benchmarks/configs/qwen3-8b.json
@@ -37,17 +40,34 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers import linear
 from dpu_frontend.model.layers.linear import REFERENCE_TILE, Tile
 
+#: Past 128 rows: tiles that read the weight once for 128-256 rows, or that put more
+#: programs on the GPU, 64 or 128 deep in K; by pointers, or by the TMA in a persistent
+#: grid.
+LARGE: list[Tile] = (
+    [Tile(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8))
+     for s in (3, 4)]
+    + [Tile(64, 64, 64, 4, 4), Tile(64, 32, 128, 4, 5), Tile(64, 64, 128, 4, 5),
+       Tile(64, 64, 128, 4, 4), Tile(64, 128, 128, 4, 3), Tile(64, 128, 128, 4, 4),
+       Tile(128, 64, 128, 4, 4), Tile(128, 128, 128, 8, 3)]
+    + [Tile(bm, bn, bk, w, s, tma=True) for bm, bn, bk, w, s in (
+        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3))])
 #: Candidate tiles per row-count bucket (linear.M_BUCKETS): narrow tiles deep in K for
 #: a few rows (enough programs to stream the weight), tall ones for many.
 CANDIDATES: tuple[list[Tile], ...] = (
-    [(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in (128, 256) for s in (4, 6)],
-    [(bm, bn, 128, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for s in (3, 5)],
-    [(bm, bn, 64, w, s) for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4),
-                                          (128, 128, 8)) for s in (3, 4)],
-    [(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8),
-                                          (64, 256, 4)) for s in (3, 4)],
-    [(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8),
-                                          (64, 256, 4)) for s in (3, 4)],
+    [Tile(16, bn, bk, 4, s) for bn in (16, 32, 64) for bk in (128, 256) for s in (4, 6)],
+    [Tile(bm, bn, 128, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for s in (3, 5)]
+    + [Tile(64, bn, bk, 4, 4, tma=True) for bn, bk in ((32, 128), (64, 64), (64, 128),
+                                                       (128, 64))],
+    [Tile(bm, bn, 64, w, s, tma) for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4),
+                                                   (128, 128, 8)) for s in (3, 4)
+     for tma in (False, True)]
+    + [Tile(64, bn, 128, 4, s) for bn in (32, 64) for s in (4, 5)]
+    + [Tile(64, 128, 128, 4, 3), Tile(128, 64, 128, 4, 4)]
+    + [Tile(64, bn, 128, 4, 4, tma=True) for bn in (32, 64)],
+    LARGE,
+    LARGE,
 )
 #: Weights per timed graph are rotated through this many bytes, beyond any L2.
 ROTATE_BYTES = 256 << 20
@@ -99,12 +119,8 @@ def timed(call: Callable[[int], object], iters: int, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def tile_name(tile: Tile) -> str:
-    return "x".join(map(str, tile))
-
-
 def entry(split: int, tile: Tile) -> str:
-    return f"S{split}/{tile_name(tile)}"
+    return f"S{split}/{tile}"
 
 
 def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, bandwidth: float,
@@ -135,7 +151,7 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
         table = linear.linear_tile(n, k, torch.bfloat16, m)
         times: dict[str, float | str] = {}
         for split in dict.fromkeys([table_split, *splits]):
-            if not linear.split_fits(k, split, REFERENCE_TILE[2]):
+            if not linear.split_fits(k, split, REFERENCE_TILE.block_k):
                 continue  # the reference's K blocks do not split so: no candidates
             reference = run(split, REFERENCE_TILE)
             alone = run(split, REFERENCE_TILE, x=x[:1],
@@ -143,7 +159,12 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
             if not torch.equal(alone, reference[:1]):
                 raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
                                  f"among {m} rows: the kernel is not batch-invariant")
-            for tile in dict.fromkeys([table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]):
+            tiles = [table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]
+            if split > 1:  # the splits one after the other in a program, or spread
+                tiles += [t._replace(spread=True) for t in tiles if not t.tma]
+            for tile in dict.fromkeys(tiles):
+                if tile.spread and split == 1:
+                    continue  # the same run as the tile's unspread
                 try:
                     got = run(split, tile)
                 except Exception as exc:  # out of resources, or K's split: not a candidate

@@ -78,15 +78,22 @@ def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit(split: int) -> N
                            h + linear.linear(act, down, split=split))
 
 
+#: Tiles of both kernels, with the splits in one program and spread over programs.
+SPLIT_TILES = {*linear.BUCKET_TILES, *(t._replace(spread=True) for t in linear.BUCKET_TILES),
+               linear.Tile(64, 64, 128, 4, 4, tma=True),
+               linear.Tile(128, 128, 64, 8, 4, tma=True)}
+
+
 @pytest.mark.parametrize("split", [2, 4])
 def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
     """Splits of K change a shape's bits (another order of the sum), the same for every
-    row count and tile: a row alone, and inside 1 to 512 rows, in every bucket."""
+    row count and tile, whether one program adds the splits or a second kernel does: a
+    row alone, and inside 1 to 512 rows, in every bucket."""
     gen = torch.Generator(device="cuda").manual_seed(13)
     w = (torch.randn((4096, 4096), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
     x = torch.randn((512, 4096), generator=gen, device="cuda").to(torch.bfloat16)
     alone = torch.cat([linear.linear(x[i:i + 1], w, split=split) for i in range(512)])
-    tiles = set(linear.BUCKET_TILES)
+    tiles = SPLIT_TILES
     for m in ROWS:
         for tile in tiles:
             assert torch.equal(linear.linear(x[:m], w, split=split, tile=tile), alone[:m]), \
@@ -95,11 +102,31 @@ def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
     assert float((alone[:8].float() - unsplit.float()).abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_operands_the_tma_cannot_read_take_the_pointer_kernel_with_the_same_bits(
+        gated: bool) -> None:
+    """A TMA tile over rows whose base is not 16-byte aligned runs the pointer kernel with
+    the same block, and gives the aligned rows' bits."""
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    w = (torch.randn((2048, 1024), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    flat = torch.randn((300 * 1024 + 1,), generator=gen, device="cuda").to(torch.bfloat16)
+    shifted = flat[1:].view(300, 1024)
+    assert not linear.tma_fits(shifted, w)
+    aligned = shifted.clone()
+    assert linear.tma_fits(aligned, w)
+    for tile in (linear.Tile(64, 64, 128, 4, 4, tma=True),
+                 linear.Tile(128, 128, 64, 8, 4, tma=True)):
+        assert torch.equal(linear.linear(shifted, w, gated=gated, tile=tile),
+                           linear.linear(aligned, w, gated=gated, tile=tile))
+        assert torch.equal(linear.linear(aligned, w, gated=gated, tile=tile),
+                           linear.linear(aligned, w, gated=gated, tile=linear.REFERENCE_TILE))
+
+
 def test_a_split_that_cuts_a_k_block_is_refused() -> None:
     x = torch.zeros((3, 384), device="cuda", dtype=torch.bfloat16)
     w = torch.zeros((64, 384), device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="splits"):
-        linear.linear(x, w, split=2, tile=(16, 32, 256, 4, 4))
+        linear.linear(x, w, split=2, tile=linear.Tile(16, 32, 256, 4, 4))
 
 
 def test_float32_is_float32_matmul() -> None:

@@ -9,24 +9,29 @@ reduced over K in one order whatever the tile, so a row's bits never depend on
 the number of rows. The MMA reduces K in 16-element steps, one after the other,
 into one float32 accumulator per element: the tile's BLOCK_M, BLOCK_N and BLOCK_K,
 its warps and stages change how many elements a program holds and how far it
-loads ahead, not that order. A split of K (``SPLIT_K``), where a shape has one, is
-the shape's for every row count, its partial sums added in one order. So the tile
-is chosen by the
-weight's shape *and* the number of rows: few rows take narrow tiles that put
-enough programs on the GPU to stream the weight at the bandwidth; many rows
-take tall tiles that read the weight once for up to 256 rows. Every tile in the
-tables gives the bits of ``REFERENCE_TILE``: ``benchmarks/linear_tiles.py`` keeps
-no other, on the shapes it measured, and ``tests/gpu/test_linear.py`` holds each
+loads ahead, not that order; nor does the way its blocks are loaded (by pointers,
+or by the tensor-memory accelerator in a persistent grid, ``Tile.tma``). A split
+of K (``SPLIT_K``), where a shape has one, is the shape's for every row count: its
+splits are summed from zero each and added in split order, in one program or
+spread over programs (``Tile.spread``). So the tile is chosen by the weight's
+shape *and* the number of rows: few rows take narrow tiles that put enough
+programs on the GPU to stream the weight at the bandwidth; many rows take tall
+tiles that read the weight once for up to 256 rows. Every tile in the tables
+gives the bits of ``REFERENCE_TILE``: ``benchmarks/linear_tiles.py`` keeps no
+other, on the shapes it measured, and ``tests/gpu/test_linear.py`` holds each
 Qwen3-0.6B and 8B shape's tiles to a row's bits alone at 1 to 512 rows.
 """
 
 from __future__ import annotations
 
 import bisect
+from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dpu_frontend.model.layers.activation import swiglu
 
@@ -53,35 +58,29 @@ def _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, dtype: tl.constexpr,
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                    stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    # Row blocks vary fastest, then the K splits: the programs that share a block of the
-    # weight run side by side, so a weight read once from memory serves them from L2.
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SPREAD: tl.constexpr,
+                   PRECISION: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    # Row blocks vary fastest, then the K splits where they are SPREAD over programs: the
+    # programs that share a block of the weight run side by side, so a weight read once
+    # from memory serves them from L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
-    pid_k = (pid // num_m) % SPLIT
-    pid_n = pid // (num_m * SPLIT)
+    if SPREAD:
+        pid_k = (pid // num_m) % SPLIT
+        pid_n = pid // (num_m * SPLIT)
+    else:
+        pid_k = 0
+        pid_n = pid // num_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The up half's accumulator (rows N.. of a gated weight); unused otherwise.
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * K_SPLIT
-    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        if GATED:
-            u = tl.load(w_ptr + (rn[None, :] + N) * stride_wn + kk[:, None],
-                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT == 1:
+    x_ptrs = x_ptr + rm[:, None] * stride_xm
+    w_ptrs = w_ptr + rn[None, :] * stride_wn
+    acc, acc_up = _split_sums(x_ptrs, w_ptrs, rm, rn, M, N, K, K_SPLIT, stride_wn, pid_k,
+                              BLOCK_M, BLOCK_N, BLOCK_K, 1 if SPREAD else SPLIT, PRECISION,
+                              GATED)
+    if SPLIT == 1 or not SPREAD:
         y = _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty,
                       GATED, RESIDUAL)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
@@ -92,6 +91,78 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, M, N, K, K_SPLIT, stride_x
         tl.store(part, acc, mask=mask)
         if GATED:
             tl.store(part + SPLIT * M * N, acc_up, mask=mask)
+
+
+@triton.jit
+def _split_sums(x_ptrs, w_ptrs, rm, rn, M, N, K, K_SPLIT, stride_wn, first,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PARTS: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr):
+    # The sums over K splits first.. first + PARTS - 1, each from zero in the MMA's order,
+    # added in split order: the float32 additions _split_sum_kernel makes of the same
+    # splits spread over programs, so a shape's bits are one whichever way it runs.
+    rk = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for part in tl.static_range(PARTS):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The up half's accumulator (rows N.. of a gated weight); unused otherwise.
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_begin = (first + part) * K_SPLIT
+        for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptrs + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptrs + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                        other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if GATED:
+                u = tl.load(w_ptrs + N * stride_wn + kk[:, None],
+                            mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+                acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
+        if part == 0:
+            total, total_up = acc, acc_up
+        else:
+            total, total_up = total + acc, total_up + acc_up
+    return total, total_up
+
+
+@triton.jit
+def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, M, N, K, K_SPLIT, stride_ym, stride_rm,
+                       PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                       GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    # _linear_kernel's sums, its K splits in one program, with the blocks brought in by
+    # the tensor-memory accelerator (zero past the operands' edges, as the masked loads),
+    # in a persistent grid of PROGRAMS that walk the output tiles row blocks fastest.
+    num_m = tl.cdiv(M, BLOCK_M)
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        pid_m = tile % num_m
+        pid_n = tile // num_m
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for part in tl.static_range(SPLIT):
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(part * K_SPLIT, (part + 1) * K_SPLIT, BLOCK_K):
+                x = x_desc.load([pid_m * BLOCK_M, k0])
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+                if GATED:
+                    # The up half: rows N.. of the weight (a gate block past N reads up
+                    # rows whose columns are not stored).
+                    u = w_desc.load([N + pid_n * BLOCK_N, k0])
+                    acc_up = tl.dot(x, u.T, acc_up, input_precision=PRECISION)
+            if part == 0:
+                total, total_up = acc, acc_up
+            else:
+                total, total_up = total + acc, total_up + acc_up
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        y = _epilogue(total, total_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty,
+                      GATED, RESIDUAL)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -116,66 +187,96 @@ def _split_sum_kernel(p_ptr, y_ptr, r_ptr, M, N, stride_ym, stride_rm, SPLIT: tl
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
-#: A linear's tile: BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages.
-Tile = tuple[int, int, int, int, int]
+class Tile(NamedTuple):
+    """A linear's tile: the output block a program computes, the K step, warps and
+    pipeline stages. ``tma``: loaded by the tensor-memory accelerator in a persistent
+    grid (``_linear_tma_kernel``; Hopper on), else by pointers, a program per block.
+    ``spread``: a shape's K splits (``SPLIT_K``) run in programs of their own, their
+    float32 sums added by a second kernel (pointers only), else one after the other in
+    one program. Neither changes a bit."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    tma: bool = False
+    spread: bool = False
+
+    def __str__(self) -> str:
+        return ("x".join(map(str, self[:5])) + ("t" if self.tma else "")
+                + ("s" if self.spread else ""))
+
+
 #: The tile whose bits every other tile reproduces (the engine's one tile until issue 24).
-REFERENCE_TILE: Tile = (64, 64, 64, 4, 4)
+REFERENCE_TILE: Tile = Tile(64, 64, 64, 4, 4)
 #: The row-count buckets: a tile serves M <= M_BUCKETS[i]; the last one, any M above.
 M_BUCKETS: tuple[int, ...] = (16, 64, 128, 256)
 #: One tile per bucket, for weight shapes without a row of their own: the tiles with the
 #: best geometric mean over the 15 linears of Qwen3-0.6B, 8B and 32B (H100, 2026-11-27).
 BUCKET_TILES: tuple[Tile, ...] = (
-    (16, 32, 256, 4, 4),  # 1-16 rows: 16-row MMAs, narrow and deep: programs to fill the GPU
-    (64, 32, 128, 4, 5),
-    (64, 64, 64, 4, 4),
-    (64, 64, 64, 4, 4),
-    (128, 128, 64, 8, 4),  # past 256 rows: the weight read once per 128 rows
+    Tile(16, 32, 256, 4, 4),  # 1-16 rows: 16-row MMAs, narrow and deep, to fill the GPU
+    Tile(64, 32, 128, 4, 5),
+    Tile(64, 64, 64, 4, 4),
+    Tile(64, 64, 64, 4, 4),
+    Tile(128, 128, 64, 8, 4),  # past 256 rows: the weight read once per 128 rows
 )
 #: Tiles by weight shape (N, K) for 16-bit inputs, one per bucket, where a shape's best
 #: beats the bucket's tile by 3% or more (the comment: the model and linear measured, and
-#: the gain per bucket). A gate_up row is measured gated (the model's call). The table is
-#: keyed by shape alone, whichever model has it. benchmarks/linear_tiles.py measures the
-#: candidates and keeps only those bit for bit the reference's; H100, 2026-11-27
-#: (docs/gpu.md, "Linear tiles by row count").
+#: the gain per bucket over the tile it replaced). A gate_up row is measured gated (the
+#: model's call). The table is keyed by shape alone, whichever model has it.
+#: benchmarks/linear_tiles.py measures the candidates and keeps only those bit for bit
+#: the reference's; H100, 2026-11-27 (docs/gpu.md, "Linear tiles by row count", and
+#: for the last three buckets of Qwen3-8B and 32B, "TMA tiles and deeper K steps").
 LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {
     # Qwen3-0.6B o_proj, down (1.5x past 256 rows)
-    (1024, 2048): (*BUCKET_TILES[:4], (64, 64, 64, 4, 4)),
-    (1024, 3072): (*BUCKET_TILES[:4], (64, 64, 64, 4, 4)),
+    (1024, 2048): (*BUCKET_TILES[:4], Tile(64, 64, 64, 4, 4)),
+    (1024, 3072): (*BUCKET_TILES[:4], Tile(64, 64, 64, 4, 4)),
     # Qwen3-0.6B lm_head: 1.23, 1.07, 1.48, 1.26x from the second bucket on
-    (151936, 1024): ((16, 32, 256, 4, 4), (64, 64, 128, 4, 3), (128, 64, 64, 4, 4),
-                     (128, 256, 64, 8, 4), (128, 256, 64, 8, 3)),
-    # Qwen3-8B qkv: 1.13x (17-64 rows), 1.15x (past 256)
-    (6144, 4096): ((16, 32, 256, 4, 4), (64, 64, 128, 4, 5), (64, 64, 64, 4, 4),
-                   (64, 64, 64, 4, 4), (128, 128, 64, 8, 3)),
+    (151936, 1024): (Tile(16, 32, 256, 4, 4), Tile(64, 64, 128, 4, 3), Tile(128, 64, 64, 4, 4),
+                     Tile(128, 256, 64, 8, 4), Tile(128, 256, 64, 8, 3)),
+    # Qwen3-8B qkv: 1.13x (17-64 rows); 1.17, 1.09, 1.22x past 64
+    (6144, 4096): (Tile(16, 32, 256, 4, 4), Tile(64, 64, 128, 4, 5), Tile(128, 64, 128, 4, 4),
+                   Tile(128, 128, 128, 8, 3, tma=True), Tile(128, 256, 64, 8, 3, tma=True)),
+    # Qwen3-8B o_proj: 1.41, 1.24, 1.10x past 64 rows
+    (4096, 4096): (*BUCKET_TILES[:2], Tile(64, 64, 128, 4, 5), Tile(64, 128, 128, 4, 4),
+                   Tile(128, 128, 64, 8, 4, tma=True)),
     # Qwen3-8B gate_up: 1.1x (65-128), 1.04x (129-256)
-    (24576, 4096): ((16, 32, 256, 4, 4), (64, 32, 128, 4, 5), (64, 64, 64, 4, 3),
-                    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
-    # Qwen3-8B lm_head: 1.12, 1.15, 1.68, 1.35x from the second bucket on
-    (151936, 4096): ((16, 32, 256, 4, 4), (64, 128, 128, 4, 3), (128, 64, 64, 4, 3),
-                     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4)),
-    # Qwen3-32B qkv: 1.06, 1.12, 1.0, 1.12x
-    (10240, 5120): ((16, 64, 128, 4, 4), (64, 64, 128, 4, 3), (64, 64, 64, 4, 4),
-                    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)),
-    # Qwen3-32B o_proj: 1.3x (17-64), 1.2x (past 256)
-    (5120, 8192): ((16, 32, 256, 4, 4), (64, 64, 128, 4, 5), (64, 64, 64, 4, 4),
-                   (64, 64, 64, 4, 4), (256, 128, 64, 8, 4)),
+    (24576, 4096): (Tile(16, 32, 256, 4, 4), Tile(64, 32, 128, 4, 5), Tile(64, 64, 64, 4, 3),
+                    Tile(128, 128, 64, 8, 3), Tile(128, 128, 64, 8, 4)),
+    # Qwen3-8B down: 1.51, 1.24, 1.14x past 64 rows
+    (4096, 12288): (*BUCKET_TILES[:2], Tile(64, 64, 128, 4, 5), Tile(64, 128, 128, 4, 4),
+                    Tile(128, 128, 64, 8, 4, tma=True)),
+    # Qwen3-8B lm_head: 1.12x (17-64), then 1.03, 1.11, 1.07x
+    (151936, 4096): (Tile(16, 32, 256, 4, 4), Tile(64, 128, 128, 4, 3),
+                     Tile(128, 128, 64, 8, 4, tma=True), Tile(128, 256, 64, 8, 4),
+                     Tile(256, 128, 64, 8, 3, tma=True)),
+    # Qwen3-32B qkv: 1.06, 1.12, 1.0x to 128 rows; 1.13, 1.14x past
+    (10240, 5120): (Tile(16, 64, 128, 4, 4), Tile(64, 64, 128, 4, 3), Tile(64, 64, 64, 4, 4),
+                    Tile(128, 256, 64, 8, 3, tma=True), Tile(128, 128, 64, 8, 4, tma=True)),
+    # Qwen3-32B o_proj: 1.3x (17-64); 1.26, 1.15, 1.31x past 64
+    (5120, 8192): (Tile(16, 32, 256, 4, 4), Tile(64, 64, 128, 4, 5), Tile(128, 64, 128, 4, 4),
+                   Tile(128, 128, 64, 8, 4, tma=True), Tile(128, 256, 64, 8, 3, tma=True)),
     # Qwen3-32B gate_up: 1.09x (65-128), 1.24x (129-256)
-    (51200, 5120): ((16, 32, 256, 4, 4), (64, 32, 128, 4, 5), (128, 128, 64, 8, 4),
-                    (128, 128, 64, 8, 4), (128, 128, 64, 8, 4)),
-    # Qwen3-32B down: 1.34x (17-64), 1.35x (129-256), 1.09x (past 256)
-    (5120, 25600): ((16, 32, 256, 4, 4), (64, 64, 128, 4, 5), (64, 64, 64, 4, 4),
-                    (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)),
-    # Qwen3-32B lm_head: 1.18, 1.23, 1.8, 1.32x from the second bucket on
-    (151936, 5120): ((16, 32, 256, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
-                     (128, 256, 64, 8, 4), (128, 256, 64, 8, 4)),
+    (51200, 5120): (Tile(16, 32, 256, 4, 4), Tile(64, 32, 128, 4, 5), Tile(128, 128, 64, 8, 4),
+                    Tile(128, 128, 64, 8, 4), Tile(128, 128, 64, 8, 4)),
+    # Qwen3-32B down: 1.34x (17-64); 1.28, 1.11, 1.36x past 64
+    (5120, 25600): (Tile(16, 32, 256, 4, 4), Tile(64, 64, 128, 4, 5), Tile(128, 64, 128, 4, 4),
+                    Tile(128, 128, 128, 8, 3, tma=True), Tile(128, 256, 64, 8, 3, tma=True)),
+    # Qwen3-32B lm_head: 1.18x (17-64), then 1.03, 1.06, 1.06x
+    (151936, 5120): (Tile(16, 32, 256, 4, 4), Tile(64, 128, 128, 4, 3),
+                     Tile(128, 128, 64, 8, 4, tma=True), Tile(256, 128, 64, 8, 3, tma=True),
+                     Tile(128, 128, 64, 8, 4, tma=True)),
 }
-FLOAT32_TILE: Tile = (32, 64, 32, 4, 3)
+FLOAT32_TILE: Tile = Tile(32, 64, 32, 4, 3)
 #: K splits by weight shape (default 1), for every row count alike: a shape whose few
 #: output columns leave the GPU's multiprocessors idle, or its L2 busy with re-reads,
 #: at hundreds of rows. Each split sums its K range in the MMA's order; the splits are
-#: then added in split order. The bits are the shape's, whatever the rows. Empty: on
-#: the H100 (2026-11-27) two splits won 6-22% for Qwen3-8B's and 32B's down projection
-#: at 128-256 rows and lost 0.4-5% at 1-16 rows (docs/gpu.md, "Linear tiles by row count").
+#: then added in split order, by the program itself or, for a spread tile, by a second
+#: kernel. The bits are the shape's, whatever the rows. Empty: on the H100
+#: (2026-11-27), over Qwen3-8B's linears at 16-512 rows, two splits (in a program or
+#: spread) beat one only for down at 256 rows, by 2.6%, where a tile 128 deep in K then
+#: beat both by 12% (docs/gpu.md, "TMA tiles and deeper K steps").
 SPLIT_K: dict[tuple[int, int], int] = {}
 
 
@@ -239,23 +340,63 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     _check(x, weight, y, gated, residual, split)
     if m == 0:
         return y
-    bm, bn, bk, warps, stages = tile or linear_tile(weight.shape[0], k, x.dtype, m)
+    tile = Tile(*tile) if tile else linear_tile(weight.shape[0], k, x.dtype, m)
     splits = split or linear_split(weight.shape[0], k, x.dtype)
-    if not split_fits(k, splits, bk):
-        raise ValueError(f"K {k} in {splits} splits is not a whole number of {bk}-wide blocks")
+    if not split_fits(k, splits, tile.block_k):
+        raise ValueError(f"K {k} in {splits} splits is not a whole number of "
+                         f"{tile.block_k}-wide blocks")
     r = residual if residual is not None else y
-    # Partial sums of the splits, float32: [SPLIT, M, N], twice over when gated.
-    part = (torch.empty(((2 if gated else 1) * splits, m, n), dtype=torch.float32,
-                        device=x.device) if splits > 1 else y)
-    grid = (triton.cdiv(m, bm) * splits * triton.cdiv(n, bn),)
     flags = {"GATED": gated, "RESIDUAL": residual is not None}
+    spread = tile.spread and splits > 1
+    if tile.tma and not spread and tma_fits(x, weight):
+        _linear_tma(x, weight, y, r, tile, splits, flags)
+        return y
+    # The pointer kernel, for spread splits and for operands the TMA cannot take: the same
+    # tile, the same bits.
+    bm, bn, bk, warps, stages = tile[:5]
+    # Partial sums of spread splits, float32: [SPLIT, M, N], twice over when gated.
+    part = (torch.empty(((2 if gated else 1) * splits, m, n), dtype=torch.float32,
+                        device=x.device) if spread else y)
+    grid = (triton.cdiv(m, bm) * (splits if spread else 1) * triton.cdiv(n, bn),)
     _linear_kernel[grid](x, weight, y, r, part, m, n, k, k // splits, x.stride(0),
                          weight.stride(0), y.stride(0), r.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, SPLIT=splits, PRECISION=precision(x.dtype), **flags,
-                         num_warps=warps, num_stages=stages)
-    if splits > 1:
+                         BLOCK_K=bk, SPLIT=splits, SPREAD=spread,
+                         PRECISION=precision(x.dtype), **flags, num_warps=warps,
+                         num_stages=stages)
+    if spread:
         sum_m, sum_n = 4, 256
         _split_sum_kernel[(triton.cdiv(n, sum_n), triton.cdiv(m, sum_m))](
             part, y, r, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
             BLOCK_N=sum_n, **flags, num_warps=4)
     return y
+
+
+@cache
+def multiprocessors(device: int) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the tensor-memory accelerator can read these operands: a Hopper GPU or
+    later, 16-byte aligned bases and row strides, 16-bit elements."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                    for t in (x, weight)))
+
+
+def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch.Tensor,
+                tile: Tile, splits: int, flags: dict[str, bool]) -> None:
+    m, k = x.shape
+    n = y.shape[1]
+    bm, bn, bk, warps, stages = tile[:5]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, multiprocessors(x.device.index or 0))
+    # The descriptors are built on the host and passed by value: a captured graph keeps
+    # them, with the operands' addresses, as it keeps pointers.
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
+    w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [bn, bk])
+    _linear_tma_kernel[(programs,)](x_desc, w_desc, y, r, m, n, k, k // splits, y.stride(0),
+                                    r.stride(0), PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn,
+                                    BLOCK_K=bk, SPLIT=splits, PRECISION=precision(x.dtype),
+                                    **flags, num_warps=warps, num_stages=stages)
