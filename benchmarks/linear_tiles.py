@@ -52,7 +52,8 @@ LARGE: list[Tile] = (
     + [Tile(bm, bn, bk, w, s, tma=True) for bm, bn, bk, w, s in (
         (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
         (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3))])
+        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3),
+        (128, 64, 128, 8, 3))])
 #: Candidate tiles per row-count bucket (linear.M_BUCKETS): narrow tiles deep in K for
 #: a few rows (enough programs to stream the weight), tall ones for many.
 CANDIDATES: tuple[list[Tile], ...] = (
