@@ -163,9 +163,9 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
             tiles = [table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]
             if split > 1:  # the splits one after the other in a program, or spread
                 tiles += [t._replace(spread=True) for t in tiles if not t.tma]
+            if not linear.tma_fits(x, weights[0]):  # a TMA tile would run the pointer kernel
+                tiles = [t for t in tiles if not t.tma]
             for tile in dict.fromkeys(tiles):
-                if tile.spread and split == 1:
-                    continue  # the same run as the tile's unspread
                 try:
                     got = run(split, tile)
                 except Exception as exc:  # out of resources, or K's split: not a candidate
@@ -201,8 +201,8 @@ def report(name: str, rows: dict[str, Any]) -> tuple[str, dict[str, float]]:
             return f"{us:7.1f} us ({us / bound:4.2f}x)" if isinstance(us, float) else f"{us:>16}"
 
         reference = entry(int(rows["split"]), REFERENCE_TILE)
-        lines.append(f"  M={m:>4}: table {b['table']:>17} {shown(b['table'])}"
-                     f"  best {b['best']:>17} {shown(b['best'])}"
+        lines.append(f"  M={m:>4}: table {b['table']:>20} {shown(b['table'])}"
+                     f"  best {b['best']:>20} {shown(b['best'])}"
                      f"  reference {shown(reference)}"
                      f"  cuBLAS {b['cublas_us']:7.1f} us ({b['cublas_us'] / bound:4.2f}x)")
         figures |= {f"M{m}_{what}_us": round(float(tiles[b[what]]), 1) for what in ("table", "best")

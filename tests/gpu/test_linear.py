@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from benchmarks.linear_tiles import Shape, shapes
 from dpu_frontend.model.config import ModelConfig
@@ -25,11 +26,9 @@ PROBES = (0, 0.5, 1.0)
 
 
 def model_shapes() -> list[Shape]:
-    """Each linear of Qwen3-0.6B and of Qwen3-8B, as the model calls it (the 8B's head is
-    the 0.6B's width: its 151,936 x 4,096 weight would only repeat the x 1,024 one)."""
-    small = shapes(ModelConfig.default())
-    large = shapes(ModelConfig.load(CONFIGS / "qwen3-8b.json"))
-    return small + [s for s in large if s.name != "lm_head"]
+    """Each linear of Qwen3-0.6B and of Qwen3-8B, as the model calls it (the LM heads to
+    float32, the 8B's with TMA tiles past 64 rows)."""
+    return shapes(ModelConfig.default()) + shapes(ModelConfig.load(CONFIGS / "qwen3-8b.json"))
 
 
 def call(shape: Shape, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
@@ -63,18 +62,27 @@ def test_a_row_has_its_bits_alone_in_every_bucket(shape: Shape) -> None:
           "every row its bits alone")
 
 
+#: The table's tile (None), tiles whose splits are spread over programs (a second kernel
+#: adds the partial sums and runs the epilogue), and a TMA tile.
+EPILOGUE_TILES = (None, linear.BUCKET_TILES[0]._replace(spread=True),
+                  linear.BUCKET_TILES[4]._replace(spread=True),
+                  linear.Tile(64, 64, 128, 4, 4, tma=True))
+
+
+@pytest.mark.parametrize("tile", EPILOGUE_TILES, ids=str)
 @pytest.mark.parametrize("split", [1, 2, 4])
-def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit(split: int) -> None:
+def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit(
+        split: int, tile: linear.Tile | None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(11)
     for m in (1, 33, 300):
         x = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
         gate_up = (torch.randn((6144, 1024), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
-        assert torch.equal(linear.linear(x, gate_up, gated=True, split=split),
+        assert torch.equal(linear.linear(x, gate_up, gated=True, split=split, tile=tile),
                            silu_mul(linear.linear(x, gate_up, split=split)))
         down = (torch.randn((1024, 3072), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
         act = torch.randn((m, 3072), generator=gen, device="cuda").to(torch.bfloat16)
         h = torch.randn((m, 1024), generator=gen, device="cuda").to(torch.bfloat16)
-        assert torch.equal(linear.linear(act, down, residual=h, split=split),
+        assert torch.equal(linear.linear(act, down, residual=h, split=split, tile=tile),
                            h + linear.linear(act, down, split=split))
 
 
@@ -102,6 +110,44 @@ def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
     assert float((alone[:8].float() - unsplit.float()).abs().max()) < 0.05
 
 
+def hopper() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
+#: TMA tiles of the tables' kinds: narrow and 128 deep, one warpgroup; two warpgroups,
+#: 128 x 128, 128 x 256 and 256 x 128.
+TMA_TILES = (linear.Tile(64, 64, 128, 4, 4, tma=True), linear.Tile(128, 128, 64, 8, 4, tma=True),
+             linear.Tile(128, 256, 64, 8, 3, tma=True), linear.Tile(256, 128, 64, 8, 3, tma=True))
+
+
+@pytest.mark.skipif(not hopper(), reason="the TMA takes a Hopper GPU or later")
+@pytest.mark.parametrize("gated", [False, True])
+def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool) -> None:
+    """Output columns that end inside a block (a gated block's gate rows past N read as
+    zeros, not as up rows), a K that ends inside a block, and a weight whose rows are
+    padded: each TMA tile gives the reference tile's bits, where it fits in shared
+    memory."""
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    out_n, k = 100, 520
+    rows = 2 * out_n if gated else out_n
+    padded = (torch.randn((rows, k + 56), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    for w in (padded[:, :k], padded[:, :k].contiguous()):
+        x = torch.randn((300, k), generator=gen, device="cuda").to(torch.bfloat16)
+        assert linear.tma_fits(x, w)
+        ran = 0
+        for tile in TMA_TILES:
+            for m in (1, 65, 300):
+                reference = linear.linear(x[:m], w, gated=gated, tile=linear.REFERENCE_TILE)
+                try:
+                    got = linear.linear(x[:m], w, gated=gated, tile=tile)
+                except triton.runtime.OutOfResources:
+                    break  # a tile too large for this kernel's shared memory
+                assert torch.equal(got, reference), f"{tile}, {m} rows, stride {w.stride(0)}"
+                ran += 1
+        assert ran >= 2 * 3
+
+
+@pytest.mark.skipif(not hopper(), reason="the TMA takes a Hopper GPU or later")
 @pytest.mark.parametrize("gated", [False, True])
 def test_operands_the_tma_cannot_read_take_the_pointer_kernel_with_the_same_bits(
         gated: bool) -> None:
@@ -114,8 +160,7 @@ def test_operands_the_tma_cannot_read_take_the_pointer_kernel_with_the_same_bits
     assert not linear.tma_fits(shifted, w)
     aligned = shifted.clone()
     assert linear.tma_fits(aligned, w)
-    for tile in (linear.Tile(64, 64, 128, 4, 4, tma=True),
-                 linear.Tile(128, 128, 64, 8, 4, tma=True)):
+    for tile in TMA_TILES[:2]:
         assert torch.equal(linear.linear(shifted, w, gated=gated, tile=tile),
                            linear.linear(aligned, w, gated=gated, tile=tile))
         assert torch.equal(linear.linear(aligned, w, gated=gated, tile=tile),

@@ -133,9 +133,10 @@ def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, M, N, K, K_SPLIT, stride_ym
                        GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     # _linear_kernel's sums, its K splits in one program, with the blocks brought in by
     # the tensor-memory accelerator (zero past the operands' edges, as the masked loads),
-    # in a persistent grid of PROGRAMS that walk the output tiles row blocks fastest. A
-    # gated weight is read as [2, N, K]: one load brings a block's gate rows and its up
-    # rows, and one MMA twice as wide sums both ([gate | up] columns of the accumulator).
+    # in a persistent grid of PROGRAMS (one a multiprocessor) that walk the output tiles
+    # row blocks fastest. A gated weight is read as [2, N, K]: one load brings a block's
+    # gate rows and its up rows, and one MMA twice as wide sums both ([gate | up] columns
+    # of the accumulator).
     WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     num_m = tl.cdiv(M, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
@@ -227,7 +228,7 @@ BUCKET_TILES: tuple[Tile, ...] = (
 #: model's call). The table is keyed by shape alone, whichever model has it.
 #: benchmarks/linear_tiles.py measures the candidates and keeps only those bit for bit
 #: the reference's; H100, 2026-11-27 (docs/gpu.md, "Linear tiles by row count", and
-#: for the last three buckets of Qwen3-8B and 32B, "TMA tiles and deeper K steps").
+#: for the last three buckets of Qwen3-8B and 32B, "Issue 24, second step").
 LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {
     # Qwen3-0.6B o_proj, down (1.5x past 256 rows)
     (1024, 2048): (*BUCKET_TILES[:4], Tile(64, 64, 64, 4, 4)),
@@ -277,7 +278,7 @@ FLOAT32_TILE: Tile = Tile(32, 64, 32, 4, 3)
 #: kernel. The bits are the shape's, whatever the rows. Empty: on the H100
 #: (2026-11-27), over Qwen3-8B's linears at 16-512 rows, two splits (in a program or
 #: spread) beat one only for down at 256 rows, by 2.6%, where a tile 128 deep in K then
-#: beat both by 12% (docs/gpu.md, "TMA tiles and deeper K steps").
+#: beat both by 12% (docs/gpu.md, "Issue 24, second step").
 SPLIT_K: dict[tuple[int, int], int] = {}
 
 
@@ -377,13 +378,20 @@ def multiprocessors(device: int) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+@cache
+def _has_tma(device: int) -> bool:
+    """An NVIDIA GPU of compute capability 9 (Hopper) or later."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the tensor-memory accelerator can read these operands: a Hopper GPU or
-    later, 16-byte aligned bases and row strides, 16-bit elements."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    later, 16-bit elements, 16-byte aligned bases and row strides, rows that do not
+    overlap."""
+    return (x.is_cuda and _has_tma(x.device.index or 0)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                    for t in (x, weight)))
+                    and t.stride(0) >= t.shape[1] for t in (x, weight)))
 
 
 def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch.Tensor,
@@ -391,8 +399,10 @@ def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch
     m, k = x.shape
     n = y.shape[1]
     bm, bn, bk, warps, stages = tile[:5]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, multiprocessors(x.device.index or 0))
+    # One program a multiprocessor whatever the rows (those past the tiles exit at once):
+    # the grid's size is a constant of the kernel, compiled once a tile, not once for
+    # each row count under a full grid.
+    programs = multiprocessors(x.device.index or 0)
     # The descriptors are built on the host and passed by value: a captured graph keeps
     # them, with the operands' addresses, as it keeps pointers.
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
