@@ -86,10 +86,15 @@ def test_the_fused_epilogues_are_the_unfused_layers_bit_for_bit(
                            h + linear.linear(act, down, split=split))
 
 
+#: TMA tiles of the tables' kinds: narrow and 128 deep, one warpgroup; two warpgroups,
+#: 128 x 128, 128 x 256 and 256 x 128.
+TMA_TILES = (linear.Tile(64, 64, 128, 4, 4, tma=True), linear.Tile(128, 128, 64, 8, 4, tma=True),
+             linear.Tile(128, 256, 64, 8, 3, tma=True), linear.Tile(256, 128, 64, 8, 3, tma=True))
 #: Tiles of both kernels, with the splits in one program and spread over programs.
 SPLIT_TILES = {*linear.BUCKET_TILES, *(t._replace(spread=True) for t in linear.BUCKET_TILES),
-               linear.Tile(64, 64, 128, 4, 4, tma=True),
-               linear.Tile(128, 128, 64, 8, 4, tma=True)}
+               *TMA_TILES[:2]}
+#: The TMA tests' condition: torch's GPU, and the engine's own test of it.
+HOPPER = torch.cuda.is_available() and linear.has_tma(torch.cuda.current_device())
 
 
 @pytest.mark.parametrize("split", [2, 4])
@@ -110,17 +115,7 @@ def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
     assert float((alone[:8].float() - unsplit.float()).abs().max()) < 0.05
 
 
-def hopper() -> bool:
-    return bool(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
-
-
-#: TMA tiles of the tables' kinds: narrow and 128 deep, one warpgroup; two warpgroups,
-#: 128 x 128, 128 x 256 and 256 x 128.
-TMA_TILES = (linear.Tile(64, 64, 128, 4, 4, tma=True), linear.Tile(128, 128, 64, 8, 4, tma=True),
-             linear.Tile(128, 256, 64, 8, 3, tma=True), linear.Tile(256, 128, 64, 8, 3, tma=True))
-
-
-@pytest.mark.skipif(not hopper(), reason="the TMA takes a Hopper GPU or later")
+@pytest.mark.skipif(not HOPPER, reason="the TMA takes a Hopper GPU or later")
 @pytest.mark.parametrize("gated", [False, True])
 def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool) -> None:
     """Output columns that end inside a block (a gated block's gate rows past N read as
@@ -147,7 +142,7 @@ def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool) ->
         assert ran >= 2 * 3
 
 
-@pytest.mark.skipif(not hopper(), reason="the TMA takes a Hopper GPU or later")
+@pytest.mark.skipif(not HOPPER, reason="the TMA takes a Hopper GPU or later")
 @pytest.mark.parametrize("gated", [False, True])
 def test_operands_the_tma_cannot_read_take_the_pointer_kernel_with_the_same_bits(
         gated: bool) -> None:

@@ -379,7 +379,7 @@ def multiprocessors(device: int) -> int:
 
 
 @cache
-def _has_tma(device: int) -> bool:
+def has_tma(device: int) -> bool:
     """An NVIDIA GPU of compute capability 9 (Hopper) or later."""
     return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -388,7 +388,7 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the tensor-memory accelerator can read these operands: a Hopper GPU or
     later, 16-bit elements, 16-byte aligned bases and row strides, rows that do not
     overlap."""
-    return (x.is_cuda and _has_tma(x.device.index or 0)
+    return (x.is_cuda and has_tma(x.device.index or 0)
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                     and t.stride(0) >= t.shape[1] for t in (x, weight)))
