@@ -83,13 +83,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """K and V of one token over every layer."""
-        return 2 * self.num_layers * self.kv_size * element_bytes
+    def kv_bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V of one token over every layer; ``scale_bytes``: what each head's scale
+        takes beside its values (an FP8 cache's float32: 4)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * element_bytes
+                                                          + scale_bytes)
 
     def parameter_count(self) -> int:
         """The weights' elements: the tensors of the architecture's table."""
         return registry.spec(self.architecture).weights.parameter_count(self)
+
+    def linear_weights(self) -> tuple[int, int]:
+        """The decoder layers' linear weights, every layer: (elements, output channels),
+        what ``--quantization fp8`` keeps in FP8 with a scale per channel."""
+        shapes = registry.spec(self.architecture).weights.linear_shapes(self)
+        return (self.num_layers * sum(n * k for n, k in shapes),
+                self.num_layers * sum(n for n, _ in shapes))
 
     @classmethod
     def default(cls) -> ModelConfig:

@@ -14,6 +14,11 @@ from pathlib import Path
 from dpu_frontend.flags import about, flat
 
 DTYPES = ("bfloat16", "float16", "float32")
+#: ``--quantization``: none, or FP8 (e4m3) linear weights with a scale per output channel
+#: and the activations quantized per row as they enter each linear layer.
+QUANTIZATIONS = ("none", "fp8")
+#: ``--kv-cache-dtype``: the model dtype (auto), or FP8 (e4m3) with a scale per token and head.
+KV_CACHE_DTYPES = ("auto", "fp8")
 RECORDS = ("gpu", "host")
 SCHEDULERS = ("host", "gpu")
 BLOCK_SIZES = (16, 32, 64)
@@ -25,6 +30,15 @@ class RunnerOptions:
 
     dtype: str = field(default="bfloat16", metadata=about(
         "dtype of the weights and the KV cache", choices=DTYPES))
+    quantization: str = field(default="none", metadata=about(
+        "the decoder layers' linear weights in FP8 (e4m3, a scale per output channel), "
+        "multiplied on FP8 tensor cores with the activations quantized per row; the "
+        "embedding, the norms and the LM head stay in --dtype (Hopper or later)",
+        choices=QUANTIZATIONS))
+    kv_cache_dtype: str = field(default="auto", metadata=about(
+        "the KV cache's element: auto (--dtype) or fp8 (e4m3, a float32 scale per token "
+        "and head; about half the bytes, so twice the tokens in the same memory)",
+        choices=KV_CACHE_DTYPES))
     device: int = field(default=0, metadata=about("CUDA device index"))
     weights: Path | None = field(default=None, metadata=about(
         "HF-layout safetensors checkpoint", metavar="DIR",
@@ -48,6 +62,15 @@ class RunnerOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.dtype == "float32" and (self.fp8_weights or self.fp8_kv):
+            raise ValueError("FP8 weights and KV cache run beside a 16-bit --dtype "
+                             "(bfloat16 or float16), not float32")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
         if not 0.1 <= self.memory_fraction <= 0.98:
@@ -56,6 +79,14 @@ class RunnerOptions:
             raise ValueError("vocab_limit must be >= 0")
         if self.num_blocks < 0 or self.max_seqs < 1 or self.max_model_len < 2:
             raise ValueError("num_blocks >= 0, max_seqs >= 1 and max_model_len >= 2")
+
+    @property
+    def fp8_weights(self) -> bool:
+        return self.quantization == "fp8"
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
 
 
 @dataclass(frozen=True, slots=True)

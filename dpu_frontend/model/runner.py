@@ -23,6 +23,7 @@ from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.graphs import StepGraphs
 from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
+from dpu_frontend.model.layers.quant import FP8
 from dpu_frontend.model.layers.sampler import Drawn, Sampler, SlotTokens, batch_params, to_device
 from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
 from dpu_frontend.model.models.base import Decoder
@@ -50,17 +51,18 @@ class ModelRunner:
         c, o = self.config, self.options
         torch.cuda.set_device(self.device)
         table = registry.spec(c.architecture).weights
+        if (o.fp8_weights or o.fp8_kv) and torch.cuda.get_device_capability(self.device) < (9, 0):
+            raise StartupError("FP8 weights and KV cache run on Hopper GPUs or later (compute "
+                               "capability 9.0): their batch-invariant MMA is Hopper's")
         if o.weights is None:
-            params = Params.random(table, c, self.dtype, self.device, o.weight_seed)
+            params = Params.random(table, c, self.dtype, self.device, o.weight_seed,
+                                   fp8=o.fp8_weights)
         else:
             with Checkpoint.scan(o.weights, c) as checkpoint:
-                params = Params.load(table, checkpoint, c, self.dtype, self.device)
+                params = Params.load(table, checkpoint, c, self.dtype, self.device,
+                                     fp8=o.fp8_weights)
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
-        # One block more than the pool hands out: the scratch block where the padding
-        # rows of a decode graph write their K and V.
-        shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
-        cache = KvCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(shape, dtype=self.dtype, device=self.device))
+        cache = self._kv_cache()
         self.model: Decoder = registry.decoder_class(c.architecture)(c, params, cache, o.max_model_len)
         self.sampler = Sampler(c.vocab_size, o.vocab_limit, self.device)
         self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
@@ -79,22 +81,43 @@ class ModelRunner:
                                        scratch_slot=self.num_blocks * o.block_size,
                                        keep_graphs=keep_graphs)
             self.graphs.capture()
-        log.info("model loaded: %s, %d layers, %s, %d KV blocks of %d tokens (%.1f GiB)",
-                 c.architecture, c.num_layers, o.dtype, self.num_blocks, o.block_size,
-                 2 * cache.k.numel() * cache.k.element_size() / 2**30)
+        kv_bytes = self.num_blocks * o.block_size * self._kv_bytes_per_token()
+        log.info("model loaded: %s, %d layers, %s%s, %d KV blocks of %d tokens, %s "
+                 "(%.1f GiB)", c.architecture, c.num_layers, o.dtype,
+                 ", FP8 linear weights" if o.fp8_weights else "", self.num_blocks,
+                 o.block_size, "FP8" if o.fp8_kv else o.dtype, kv_bytes / 2**30)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under HF's names (the tests hand them to ``transformers``)."""
         table = registry.spec(self.config.architecture).weights
         return self.model.params.state_dict(table, self.config)
 
-    def _blocks_that_fit(self, extra: int) -> int:
+    def _kv_cache(self) -> KvCache:
         c, o = self.config, self.options
+        # One block more than the pool hands out: the scratch block where the padding
+        # rows of a decode graph write their K and V.
+        shape = (c.num_layers, self.num_blocks + 1, c.num_kv_heads, o.block_size, c.head_dim)
+        dtype = FP8 if o.fp8_kv else self.dtype
+        k, v = (torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+        if not o.fp8_kv:
+            return KvCache(k, v)
+        # A scale per token and head; zero K and V over a scale of 1 until written.
+        scales = [torch.ones(shape[:4], dtype=torch.float32, device=self.device)
+                  for _ in range(2)]
+        return KvCache(k, v, *scales)
+
+    def _kv_bytes_per_token(self) -> int:
+        if self.options.fp8_kv:
+            return self.config.kv_bytes_per_token(1, scale_bytes=4)
+        return self.config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+
+    def _blocks_that_fit(self, extra: int) -> int:
+        o = self.options
         free, total = torch.cuda.mem_get_info(self.device)
         # What the step's activations and the sampler's [batch, vocab] buffers take.
         reserve = (4 << 30) + extra
         budget = free - (1 - o.memory_fraction) * total - reserve
-        per_block = c.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * o.block_size
+        per_block = self._kv_bytes_per_token() * o.block_size
         blocks = int(budget // per_block)
         if blocks * o.block_size < o.max_model_len:
             raise StartupError(f"the GPU has room for {blocks} KV blocks, fewer than one "

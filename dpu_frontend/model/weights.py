@@ -7,12 +7,14 @@ one loader, one random initializer and one state dict serve every model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.layers.quant import Fp8Weight, Weight, dequantize, quantize_weight
 from dpu_frontend.model.models.base import EMBED, HEAD, LAYER_PREFIX, Param, WeightTable
 
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -20,18 +22,20 @@ _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
 
 @dataclass
 class Params:
-    layers: list[dict[str, torch.Tensor]]
+    #: A layer's parameters; with ``fp8``, its linear weights (``Param.linear``) in FP8.
+    layers: list[dict[str, Weight]]
     #: The embedding, the head (the embedding's tensor itself when tied), the final norm.
     top: dict[str, torch.Tensor]
 
     @classmethod
     def random(cls, table: WeightTable, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, seed: int) -> Params:
+               device: torch.device, seed: int, *, fp8: bool = False) -> Params:
         """Seeded random weights built on the GPU: real arithmetic, gibberish text.
 
         Drawn parameter by parameter in the table's order, each packed parameter in one
         draw (the layers first, then the embedding, the head and the final norm), so a
-        seed gives the same weights whatever reads them.
+        seed gives the same weights whatever reads them; ``fp8``: each layer's linear
+        weights quantized as they are drawn (the same draws as without).
         """
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
@@ -43,14 +47,17 @@ class Params:
             t = torch.empty(shape, dtype=torch.float32, device=device)
             return t.normal_(mean, std, generator=gen).to(dtype)
 
-        layers = [{p.name: draw(p) for p in table.layer} for _ in range(config.num_layers)]
+        store = _storage(fp8)
+        layers = [{p.name: store(p, draw(p)) for p in table.layer}
+                  for _ in range(config.num_layers)]
         return cls(layers, _tied({p.name: draw(p) for p in table.top_params(config)}))
 
     @classmethod
     def load(cls, table: WeightTable, checkpoint: Checkpoint, config: ModelConfig,
-             dtype: torch.dtype, device: torch.device) -> Params:
+             dtype: torch.dtype, device: torch.device, *, fp8: bool = False) -> Params:
         """Every tensor copied from the mapped files to the device, in ``dtype``; a packed
-        parameter's parts concatenated in the table's order."""
+        parameter's parts concatenated in the table's order; ``fp8``: each layer's linear
+        weights quantized as they arrive."""
 
         def get(name: str) -> torch.Tensor:
             ref = checkpoint.tensors[name]
@@ -61,16 +68,20 @@ class Params:
             parts = [get(prefix + part.hf) for part in p.parts]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        layers = [{p.name: param(LAYER_PREFIX.format(n=n), p) for p in table.layer}
+        store = _storage(fp8)
+        layers = [{p.name: store(p, param(LAYER_PREFIX.format(n=n), p)) for p in table.layer}
                   for n in range(config.num_layers)]
         return cls(layers, _tied({p.name: param("", p) for p in table.top_params(config)}))
 
     def state_dict(self, table: WeightTable, config: ModelConfig) -> dict[str, torch.Tensor]:
         """HF's names for these weights (the tests hand them to ``transformers``): each
-        packed parameter cut back into its parts."""
+        packed parameter cut back into its parts, an FP8 one dequantized to the dtype of
+        the rest."""
         out: dict[str, torch.Tensor] = {}
+        dtype = self.top[EMBED].dtype
 
-        def unpack(prefix: str, p: Param, tensor: torch.Tensor) -> None:
+        def unpack(prefix: str, p: Param, weight: Weight) -> None:
+            tensor = dequantize(weight, dtype) if isinstance(weight, Fp8Weight) else weight
             start = 0
             for part in p.parts:
                 rows = part.shape(config)[0]
@@ -83,6 +94,13 @@ class Params:
         for p in table.top_params(config):
             unpack("", p, self.top[p.name])
         return out
+
+
+def _storage(fp8: bool) -> Callable[[Param, torch.Tensor], Weight]:
+    """How a layer's parameter is kept: as it is, or in FP8 where it is a linear weight."""
+    def store(param: Param, tensor: torch.Tensor) -> Weight:
+        return quantize_weight(tensor) if fp8 and param.linear else tensor
+    return store
 
 
 def _tied(top: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -58,6 +58,7 @@ FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model-peer": SHARED | GEOMETRY | CLOCK | {
         "--weights": (None, None), "--model-config": (None, None),
         "--dtype": ("bfloat16", ("bfloat16", "float16", "float32")), "--device": (0, None),
+        "--quantization": ("none", ("none", "fp8")), "--kv-cache-dtype": ("auto", ("auto", "fp8")),
         "--weight-seed": (0, None), "--max-seqs": (256, None), "--max-model-len": (8192, None),
         "--kv-blocks": (0, None), "--block-size": (32, (16, 32, 64)),
         "--memory-fraction": (0.85, None), "--max-batched-tokens": (2048, None),
@@ -181,6 +182,10 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
     (["model-peer", "--scheduler", "gpu", "--overlap", "--max-seqs", "1024"],
      (PeerConfig(), ModelPeerOptions(None, RunnerOptions(max_seqs=1024), EngineOptions(),
                                      scheduler="gpu"), LoggingConfig())),
+    (["model-peer", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--dtype", "float16"],
+     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(dtype="float16", quantization="fp8",
+                                                         kv_cache_dtype="fp8"),
+                                     EngineOptions()), LoggingConfig())),
 ]
 
 
@@ -211,6 +216,12 @@ def test_flags_build_the_configs_of_the_hand_written_functions(
     (["model-peer", "--block-size", "8"], "argument --block-size: invalid choice: 8"),
     (["model-peer", "--scheduler", "gpu", "--no-cuda-graphs"], "drop --no-cuda-graphs"),
     (["model-peer", "--scheduler", "gpu", "--records", "host"], "drop --records host"),
+    (["model-peer", "--quantization", "int4"], "argument --quantization: invalid choice: 'int4'"),
+    (["model-peer", "--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice"),
+    (["model-peer", "--dtype", "float32", "--quantization", "fp8"],
+     "FP8 weights and KV cache run beside a 16-bit --dtype"),
+    (["model-peer", "--dtype", "float32", "--kv-cache-dtype", "fp8"],
+     "FP8 weights and KV cache run beside a 16-bit --dtype"),
 ])
 def test_a_bad_value_exits_2_with_the_fields_message(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.linear import precision
+from dpu_frontend.model.layers.quant import FP8
 
 #: Rows (tokens x query heads of a KV group) per attention program: 16, so that a
 #: decode tile (one token: the group's 2 heads) wastes little of its MMA. Prompt and
@@ -54,28 +55,41 @@ class Attention:
 @dataclass
 class KvCache:
     """Every layer's K and V, [layers, blocks, kv_heads, page, head_dim]: the pool's
-    blocks and one scratch block past them, where a graph's padding rows write."""
+    blocks and one scratch block past them, where a graph's padding rows write. In FP8
+    (``--kv-cache-dtype fp8``, e4m3), with a float32 scale per token and head beside
+    each, [layers, blocks, kv_heads, page] (``quant``'s rule)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @property
     def page(self) -> int:
         return int(self.k.shape[3])
 
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer``'s K and V scales; (None, None) for a cache of the model dtype."""
+        if self.k_scale is None or self.v_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, part_ptr, tables_ptr, tile_seq_ptr, tile_row_ptr,
     q_start_ptr, q_len_ptr, ctx_start_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_pt, stride_ph, stride_table,
-    scale,
+    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_sb, stride_sh, stride_pt,
+    stride_ph, stride_table, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, CHUNK_PAGES: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One tile's softmax over its chunks s, s + SPLITS, ... (s: the split), unnormalized:
     per row the running max m, the sum l and the weighted values acc, into ``part``
-    [tokens, heads, SPLITS, HEAD_DIM + 2] float32."""
+    [tokens, heads, SPLITS, HEAD_DIM + 2] float32. An FP8 cache's keys and values are
+    widened to q's dtype (exactly) for the MMAs, and their scales, one a token, applied
+    to the scores and to the softmax weights."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,7 +119,12 @@ def _paged_attention_kernel(
                 block = tl.load(tables_ptr + seq * stride_table + page).to(tl.int64)
                 base = block * stride_kb + kv_head * stride_kh
                 k = tl.load(k_ptr + base + n[:, None] * stride_ks + d[None, :])
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                if FP8_KV:
+                    at = block * stride_sb + kv_head * stride_sh + n
+                    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+                    s = s * tl.load(ks_ptr + at)[None, :] * scale
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 key_pos = page * PAGE + n
                 s = tl.where((key_pos[None, :] <= pos[:, None]) & valid[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -117,7 +136,13 @@ def _paged_attention_kernel(
                 p = tl.exp(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(v_ptr + base + n[:, None] * stride_ks + d[None, :])
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                if FP8_KV:
+                    pv = p * tl.load(vs_ptr + at)[None, :]
+                    acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype),
+                                                        input_precision=PRECISION)
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                        input_precision=PRECISION)
                 m_i = m_new
         out = part_ptr + (q_start + token) * stride_pt + head * stride_ph + split * (HEAD_DIM + 2)
         tl.store(out[:, None] + d[None, :], acc, mask=valid[:, None])
@@ -151,7 +176,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     q_start: torch.Tensor, q_len: torch.Tensor, ctx_start: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, *, rows: int = ATTN_ROWS,
                     warps: int = 0, stages: int = 0, splits: int = ATTN_SPLITS,
-                    chunk_pages: int = ATTN_CHUNK_PAGES) -> None:
+                    chunk_pages: int = ATTN_CHUNK_PAGES, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
 
     Sequence ``s`` owns query rows ``q_start[s] .. q_start[s] + q_len[s]``, at
@@ -161,20 +187,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     token), one program per tile, KV head and split (``ATTN_SPLITS``), then one per
     query token and head merges the splits. ``rows`` is the tile's height;
     ``warps``, ``stages``, ``splits`` and ``chunk_pages`` override the module's
-    (benchmarks: other values give other bits).
+    (benchmarks: other values give other bits). An FP8 cache comes with its scales,
+    ``k_scale`` and ``v_scale`` [blocks, Hkv, PAGE] (``KvCache``).
     """
     t, hq, dim = q.shape
     _, hkv, page, _ = k_cache.shape
     group = hq // hkv
+    fp8 = k_cache.dtype == FP8
+    if (k_scale is None) != (v_scale is None) or fp8 != (k_scale is not None) or (
+            k_scale is not None and v_scale is not None and k_scale.stride() != v_scale.stride()):
+        raise ValueError("an FP8 cache, and only one, comes with K and V scales of one layout")
     if tile_seq.shape[0] == 0:
         return
     part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)
+    # The scales' pointers, unused for a cache of the model dtype: any tensor.
+    ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (part, part)
     _paged_attention_kernel[(tile_seq.shape[0], hkv, splits)](
-        q, k_cache, v_cache, part, tables, tile_seq, tile_row, q_start, q_len, ctx_start,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        part.stride(0), part.stride(1), tables.stride(0), dim ** -0.5,
+        q, k_cache, v_cache, ks, vs, part, tables, tile_seq, tile_row, q_start, q_len,
+        ctx_start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), ks.stride(0), ks.stride(1), part.stride(0), part.stride(1),
+        tables.stride(0), dim ** -0.5,
         GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
-        SPLITS=splits, CHUNK_PAGES=chunk_pages,
+        SPLITS=splits, CHUNK_PAGES=chunk_pages, FP8_KV=fp8,
         num_warps=warps or ATTN_WARPS, num_stages=stages or ATTN_STAGES,
     )
     _merge_splits_kernel[(t, hq)](

@@ -20,6 +20,11 @@ tiles that read the weight once for up to 256 rows. Every tile in the tables
 gives the bits of ``REFERENCE_TILE``: ``benchmarks/linear_tiles.py`` keeps no
 other, on the shapes it measured, and ``tests/gpu/test_linear.py`` holds each
 Qwen3-0.6B and 8B shape's tiles to a row's bits alone at 1 to 512 rows.
+
+With ``--quantization fp8`` the weight is FP8 with a scale per output channel and the
+rows FP8 with a scale per row (``quant``): the same kernels multiply them on FP8
+tensor cores, scale the float32 sums, then run the same epilogues, with tiles of
+their own (``FP8_BUCKET_TILES``, ``FP8_LINEAR_TILES``) under the same rule.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dpu_frontend.model.layers.activation import swiglu
+from dpu_frontend.model.layers.quant import FP8, Fp8Rows, Fp8Weight, Weight, quantize_rows
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -42,10 +48,18 @@ def precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, dtype: tl.constexpr,
-              GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+def _epilogue(acc, acc_up, r_ptr, xs_ptr, ws_ptr, rm, rn, M, N, mask, stride_rm,
+              dtype: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+              SCALED: tl.constexpr):
     # Each step rounds where the unfused layers round: the projection to the output
     # dtype, then SwiGLU, then the residual add (in float32, rounded, as torch adds).
+    # FP8 operands' float32 sums are first scaled by their row's and their channel's
+    # scales (``quant``), in that order.
+    if SCALED:
+        xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
+        acc = acc * xs * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * xs * tl.load(ws_ptr + N + rn, mask=rn < N, other=0.0)[None, :]
     y = acc.to(dtype)
     if GATED:
         y = swiglu(y, acc_up.to(dtype))
@@ -56,10 +70,11 @@ def _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, dtype: tl.constexpr,
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                   stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SPREAD: tl.constexpr,
-                   PRECISION: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, xs_ptr, ws_ptr, M, N, K, K_SPLIT,
+                   stride_xm, stride_wn, stride_ym, stride_rm, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   SPREAD: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+                   RESIDUAL: tl.constexpr, SCALED: tl.constexpr):
     # Row blocks vary fastest, then the K splits where they are SPREAD over programs: the
     # programs that share a block of the weight run side by side, so a weight read once
     # from memory serves them from L2.
@@ -81,8 +96,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, M, N, K, K_SPLIT, stride_x
                               BLOCK_M, BLOCK_N, BLOCK_K, 1 if SPREAD else SPLIT, PRECISION,
                               GATED)
     if SPLIT == 1 or not SPREAD:
-        y = _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty,
-                      GATED, RESIDUAL)
+        y = _epilogue(acc, acc_up, r_ptr, xs_ptr, ws_ptr, rm, rn, M, N, mask, stride_rm,
+                      y_ptr.dtype.element_ty, GATED, RESIDUAL, SCALED)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
     else:
         # This split's float32 sums, [SPLIT, M, N] (and the up half's after them), for
@@ -127,10 +142,11 @@ def _split_sums(x_ptrs, w_ptrs, rm, rn, M, N, K, K_SPLIT, stride_wn, first,
 
 
 @triton.jit
-def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, M, N, K, K_SPLIT, stride_ym, stride_rm,
-                       PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                       GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, K, K_SPLIT,
+                       stride_ym, stride_rm, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                       PRECISION: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                       SCALED: tl.constexpr):
     # _linear_kernel's sums, its K splits in one program, with the blocks brought in by
     # the tensor-memory accelerator (zero past the operands' edges, as the masked loads),
     # in a persistent grid of PROGRAMS (one a multiprocessor) that walk the output tiles
@@ -161,15 +177,15 @@ def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, M, N, K, K_SPLIT, stride_ym
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
-        y = _epilogue(gate, up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty,
-                      GATED, RESIDUAL)
+        y = _epilogue(gate, up, r_ptr, xs_ptr, ws_ptr, rm, rn, M, N, mask, stride_rm,
+                      y_ptr.dtype.element_ty, GATED, RESIDUAL, SCALED)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
 @triton.jit
-def _split_sum_kernel(p_ptr, y_ptr, r_ptr, M, N, stride_ym, stride_rm, SPLIT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
-                      RESIDUAL: tl.constexpr):
+def _split_sum_kernel(p_ptr, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, stride_ym, stride_rm,
+                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr):
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -183,8 +199,8 @@ def _split_sum_kernel(p_ptr, y_ptr, r_ptr, M, N, stride_ym, stride_rm, SPLIT: tl
         acc_up = tl.load(part + SPLIT * M * N, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLIT):
             acc_up += tl.load(part + (SPLIT + s) * M * N, mask=mask, other=0.0)
-    y = _epilogue(acc, acc_up, r_ptr, rm, rn, mask, stride_rm, y_ptr.dtype.element_ty, GATED,
-                  RESIDUAL)
+    y = _epilogue(acc, acc_up, r_ptr, xs_ptr, ws_ptr, rm, rn, M, N, mask, stride_rm,
+                  y_ptr.dtype.element_ty, GATED, RESIDUAL, SCALED)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=mask)
 
 
@@ -271,6 +287,37 @@ LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {
                      Tile(128, 128, 64, 8, 4, tma=True)),
 }
 FLOAT32_TILE: Tile = Tile(32, 64, 32, 4, 3)
+#: FP8 operands (``--quantization fp8``): their reference tile, one tile per bucket, and
+#: tiles by shape as ``LINEAR_TILES``. Every FP8 tile is 64 rows or more with warps in
+#: fours, so that the MMA is Hopper's warpgroup MMA at every row count: it accumulates
+#: K in 32-element steps into the float32 accumulator, each element's steps in K order
+#: whatever the tile. (A 16-row tile runs the older MMA, whose FP8 sums differ in the
+#: last bits: measured on the H100, docs/gpu.md.) Like vLLM's FP8 GEMMs, the MMA
+#: accumulates at its own precision ("fast accumulation"): promoting the sums to
+#: float32 every 128 elements halved the error against float32 sums (to 2.5e-3 of the
+#: largest output) and cost 5-25% at 1-256 rows. The tiles are 256 bytes deep in K
+#: (a 16-bit tile's 128) up to 256 rows. Swept on the H100 over Qwen3-8B's layers
+#: (``linear_tiles --fp8``, 2026-11-28, docs/gpu.md, "Issue 24, third step"); every candidate was
+#: bit for bit the reference's.
+FP8_REFERENCE_TILE: Tile = Tile(64, 64, 128, 4, 4)
+FP8_BUCKET_TILES: tuple[Tile, ...] = (
+    Tile(64, 32, 256, 4, 5),
+    Tile(64, 32, 256, 4, 5),
+    Tile(64, 64, 256, 4, 4),
+    Tile(128, 128, 128, 8, 4),  # fits a gated weight's two blocks in shared memory
+    Tile(128, 128, 128, 8, 4, tma=True),
+)
+FP8_LINEAR_TILES: dict[tuple[int, int], tuple[Tile, ...]] = {
+    # Qwen3-8B qkv: 1.23, 1.23, 1.31x to 128 rows, 1.17x past 256
+    (6144, 4096): (Tile(64, 64, 256, 4, 5), Tile(64, 64, 256, 4, 5), Tile(64, 128, 256, 4, 4),
+                   FP8_BUCKET_TILES[3], Tile(64, 128, 128, 4, 3)),
+    # Qwen3-8B o_proj and down: 1.30 and 1.37x at 129-256 rows
+    (4096, 4096): (*FP8_BUCKET_TILES[:3], Tile(64, 128, 256, 4, 4), FP8_BUCKET_TILES[4]),
+    (4096, 12288): (*FP8_BUCKET_TILES[:3], Tile(64, 128, 256, 4, 4), FP8_BUCKET_TILES[4]),
+    # Qwen3-8B gate_up: 1.06, 1.08, 1.15, 1.07x to 256 rows
+    (24576, 4096): (Tile(64, 32, 128, 4, 3), Tile(64, 32, 256, 4, 4, tma=True),
+                    Tile(64, 64, 128, 4, 3), FP8_BUCKET_TILES[4], FP8_BUCKET_TILES[4]),
+}
 #: K splits by weight shape (default 1), for every row count alike: a shape whose few
 #: output columns leave the GPU's multiprocessors idle, or its L2 busy with re-reads,
 #: at hundreds of rows. Each split sums its K range in the MMA's order; the splits are
@@ -289,9 +336,12 @@ def bucket(m: int) -> int:
 
 def linear_tile(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
     """The tile of a weight [N, K] over ``m`` rows of ``dtype``: by shape and row count.
-    Float32 (the exactness tests against transformers) has one tile."""
+    Float32 (the exactness tests against transformers) has one tile; FP8 operands have
+    tables of their own."""
     if dtype == torch.float32:
         return FLOAT32_TILE
+    if dtype == FP8:
+        return FP8_LINEAR_TILES.get((n, k), FP8_BUCKET_TILES)[bucket(m)]
     return LINEAR_TILES.get((n, k), BUCKET_TILES)[bucket(m)]
 
 
@@ -303,7 +353,7 @@ def split_fits(k: int, splits: int, block_k: int) -> bool:
 
 def linear_split(n: int, k: int, dtype: torch.dtype) -> int:
     """The K splits of a weight [N, K] with inputs of ``dtype``: by shape alone."""
-    return 1 if dtype == torch.float32 else SPLIT_K.get((n, k), 1)
+    return 1 if dtype in (torch.float32, FP8) else SPLIT_K.get((n, k), 1)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool,
@@ -324,34 +374,57 @@ def _check(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool,
                          f"output of {tuple(y.shape)} {y.dtype}, rows of unit stride")
     if split is not None and split < 1:
         raise ValueError(f"{split} K splits: one or more")
+    if (x.dtype == FP8) != (weight.dtype == FP8):
+        raise ValueError(f"x of {x.dtype} against a weight of {weight.dtype}: FP8 takes both")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-           gated: bool = False, residual: torch.Tensor | None = None,
+def _operands(x: torch.Tensor | Fp8Rows, weight: Weight
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor | None,
+                         torch.Tensor | None]:
+    """The kernel's x and weight, the output's default dtype, and the FP8 operands'
+    scales (rows, channels): rows of the model dtype entering an FP8 weight are
+    quantized here (``quant.quantize_rows``)."""
+    if isinstance(weight, Fp8Weight):
+        rows = x if isinstance(x, Fp8Rows) else quantize_rows(x)
+        if rows.scale.shape != rows.data.shape[:1] or weight.scale.shape != weight.data.shape[:1]:
+            raise ValueError("an FP8 operand has a float32 scale per row")
+        return rows.data, weight.data, rows.dtype, rows.scale, weight.scale
+    if isinstance(x, Fp8Rows):
+        raise ValueError("FP8 rows are multiplied by an FP8 weight")
+    return x, weight, x.dtype, None, None
+
+
+def linear(x: torch.Tensor | Fp8Rows, weight: Weight, out_dtype: torch.dtype | None = None,
+           *, gated: bool = False, residual: torch.Tensor | None = None,
            tile: Tile | None = None, split: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M, K] and ``weight`` [N, K] (HF's layout).
 
     ``gated``: ``weight`` is a gate_up projection [gate | up] of [2I, K], and the result
     is SwiGLU's ``silu(gate) * up``, [M, I] (``activation.silu_mul`` of the plain
     product, bit for bit). ``residual`` [M, N]: the result is ``residual + x @ weight.T``,
-    rounded as torch rounds the sum. ``tile`` and ``split`` override the tables' (the
-    benchmark)."""
+    rounded as torch rounds the sum. An FP8 weight (``quant.Fp8Weight``) multiplies FP8
+    rows (``x`` as ``quant.Fp8Rows``, or quantized here), on FP8 tensor cores; the
+    float32 sums are scaled back before the epilogue, and the output is the rows' model
+    dtype. ``tile`` and ``split`` override the tables' (the benchmark)."""
+    x, w, dtype, x_scale, w_scale = _operands(x, weight)
     m, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    _check(x, weight, y, gated, residual, split)
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or dtype, device=x.device)
+    _check(x, w, y, gated, residual, split)
     if m == 0:
         return y
-    tile = Tile(*tile) if tile else linear_tile(weight.shape[0], k, x.dtype, m)
-    splits = split or linear_split(weight.shape[0], k, x.dtype)
+    tile = Tile(*tile) if tile else linear_tile(w.shape[0], k, x.dtype, m)
+    splits = split or linear_split(w.shape[0], k, x.dtype)
     if not split_fits(k, splits, tile.block_k):
         raise ValueError(f"K {k} in {splits} splits is not a whole number of "
                          f"{tile.block_k}-wide blocks")
     r = residual if residual is not None else y
-    flags = {"GATED": gated, "RESIDUAL": residual is not None}
+    # The scales' pointers, unused unless SCALED: any tensor.
+    xs, ws = (x_scale, w_scale) if x_scale is not None and w_scale is not None else (y, y)
+    flags = {"GATED": gated, "RESIDUAL": residual is not None, "SCALED": x_scale is not None}
     spread = tile.spread and splits > 1
-    if tile.tma and not spread and tma_fits(x, weight):
-        _linear_tma(x, weight, y, r, tile, splits, flags)
+    if tile.tma and not spread and tma_fits(x, w):
+        _linear_tma(x, w, y, r, xs, ws, tile, splits, flags)
         return y
     # The pointer kernel, for spread splits and for operands the TMA cannot take: the same
     # tile, the same bits.
@@ -360,15 +433,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     part = (torch.empty(((2 if gated else 1) * splits, m, n), dtype=torch.float32,
                         device=x.device) if spread else y)
     grid = (triton.cdiv(m, bm) * (splits if spread else 1) * triton.cdiv(n, bn),)
-    _linear_kernel[grid](x, weight, y, r, part, m, n, k, k // splits, x.stride(0),
-                         weight.stride(0), y.stride(0), r.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+    _linear_kernel[grid](x, w, y, r, part, xs, ws, m, n, k, k // splits, x.stride(0),
+                         w.stride(0), y.stride(0), r.stride(0), BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, SPLIT=splits, SPREAD=spread,
                          PRECISION=precision(x.dtype), **flags, num_warps=warps,
                          num_stages=stages)
     if spread:
         sum_m, sum_n = 4, 256
         _split_sum_kernel[(triton.cdiv(n, sum_n), triton.cdiv(m, sum_m))](
-            part, y, r, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
+            part, y, r, xs, ws, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
             BLOCK_N=sum_n, **flags, num_warps=4)
     return y
 
@@ -386,16 +459,17 @@ def has_tma(device: int) -> bool:
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the tensor-memory accelerator can read these operands: a Hopper GPU or
-    later, 16-bit elements, 16-byte aligned bases and row strides, rows that do not
-    overlap."""
+    later, 16-bit or FP8 elements, 16-byte aligned bases and row strides, rows that do
+    not overlap."""
     return (x.is_cuda and has_tma(x.device.index or 0)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, FP8) and weight.dtype == x.dtype
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                     and t.stride(0) >= t.shape[1] for t in (x, weight)))
 
 
 def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch.Tensor,
-                tile: Tile, splits: int, flags: dict[str, bool]) -> None:
+                xs: torch.Tensor, ws: torch.Tensor, tile: Tile, splits: int,
+                flags: dict[str, bool]) -> None:
     m, k = x.shape
     n = y.shape[1]
     bm, bn, bk, warps, stages = tile[:5]
@@ -406,10 +480,11 @@ def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch
     # The descriptors are built on the host and passed by value: a captured graph keeps
     # them, with the operands' addresses, as it keeps pointers.
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    ws = weight.stride(0)
-    w_desc = (TensorDescriptor(weight, [2, n, k], [n * ws, ws, 1], [2, bn, bk]) if flags["GATED"]
-              else TensorDescriptor(weight, [n, k], [ws, 1], [bn, bk]))
-    _linear_tma_kernel[(programs,)](x_desc, w_desc, y, r, m, n, k, k // splits, y.stride(0),
-                                    r.stride(0), PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn,
-                                    BLOCK_K=bk, SPLIT=splits, PRECISION=precision(x.dtype),
-                                    **flags, num_warps=warps, num_stages=stages)
+    row = weight.stride(0)
+    w_desc = (TensorDescriptor(weight, [2, n, k], [n * row, row, 1], [2, bn, bk])
+              if flags["GATED"] else TensorDescriptor(weight, [n, k], [row, 1], [bn, bk]))
+    _linear_tma_kernel[(programs,)](x_desc, w_desc, y, r, xs, ws, m, n, k, k // splits,
+                                    y.stride(0), r.stride(0), PROGRAMS=programs, BLOCK_M=bm,
+                                    BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits,
+                                    PRECISION=precision(x.dtype), **flags, num_warps=warps,
+                                    num_stages=stages)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
+from dpu_frontend.model.layers.quant import FP8, fp8_scale, to_fp8
 
 
 @triton.jit
@@ -76,20 +77,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
 
 
 @triton.jit
+def _to_cache(cache_ptr, scale_ptr, slot, head, d, y, stride_cb, stride_ch, stride_cs,
+              stride_sb, stride_sh, PAGE: tl.constexpr, FP8_CACHE: tl.constexpr):
+    # One head's K or V of a token into the paged cache at ``slot``: as it is, or in e4m3
+    # with the head's scale for this token beside it (quant's rule).
+    block = slot // PAGE
+    offset = slot % PAGE
+    at = cache_ptr + block * stride_cb + head * stride_ch + offset * stride_cs + d
+    if FP8_CACHE:
+        y = y.to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(y), axis=0))
+        tl.store(at, to_fp8(y, scale))
+        tl.store(scale_ptr + block * stride_sb + head * stride_sh + offset, scale)
+    else:
+        tl.store(at, y)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
-                         k_cache_ptr, v_cache_ptr, slot_ptr, eps, N, stride_t, stride_qt,
-                         stride_ct, stride_cb, stride_ch, stride_cs, HQ: tl.constexpr,
-                         HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         NORM: tl.constexpr):
+                         k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, eps, N,
+                         stride_t, stride_qt, stride_ct, stride_cb, stride_ch, stride_cs,
+                         stride_sb, stride_sh, HQ: tl.constexpr, HKV: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
+                         FP8_CACHE: tl.constexpr):
     # One program per token and head: q heads, then k heads, then v heads (qkv's order).
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     row = qkv_ptr + t * stride_t + h * HEAD_DIM
     slot = tl.load(slot_ptr + t)
-    cache_at = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + d
     if h >= HQ + HKV:  # v: into the cache as it is
-        tl.store(v_cache_ptr + cache_at + (h - HQ - HKV) * stride_ch, tl.load(row + d))
+        _to_cache(v_cache_ptr, v_scale_ptr, slot, h - HQ - HKV, d, tl.load(row + d), stride_cb,
+                  stride_ch, stride_cs, stride_sb, stride_sh, PAGE, FP8_CACHE)
     else:
         if NORM:
             # The per-head norm, as norm.rms_norm runs a row (the same block and warps),
@@ -110,17 +129,21 @@ def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_
         if h < HQ:
             tl.store(q_ptr + t * stride_qt + h * HEAD_DIM + d, y)
         else:
-            tl.store(k_cache_ptr + cache_at + (h - HQ) * stride_ch, y)
+            _to_cache(k_cache_ptr, k_scale_ptr, slot, h - HQ, d, y, stride_cb, stride_ch,
+                      stride_cs, stride_sb, stride_sh, PAGE, FP8_CACHE)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, cache_slots: torch.Tensor,
-                 heads: int, kv_heads: int) -> torch.Tensor:
+                 heads: int, kv_heads: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's attention inputs from its qkv projection [T, (Hq + 2 Hkv) D]: q [T, Hq, D]
     normed per head (with ``q_norm`` and ``k_norm``; neither: no norm) and rotated; k
     normed, rotated and v as it is, stored at ``cache_slots`` of the paged caches
-    [blocks, Hkv, PAGE, D]. ``qkv`` is overwritten (its q and k rows normed).
+    [blocks, Hkv, PAGE, D]. ``qkv`` is overwritten (its q and k rows normed). FP8 caches
+    (``--kv-cache-dtype fp8``) take each head's values in e4m3 and their scale into
+    ``k_scale`` and ``v_scale`` [blocks, Hkv, PAGE] (``quant``'s rule).
 
     Bit for bit ``rms_norm`` of q's and k's heads, then ``rope`` (k into the cache), and
     v copied into the cache, at a head size of 128 (every Qwen3 size's; measured on
@@ -138,8 +161,16 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         raise ValueError(f"qkv of {tuple(qkv.shape)} for {heads} + 2 x {kv_heads} heads of {dim}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have one shape and one layout")
-    if k_cache.dtype != qkv.dtype or k_cache.stride(-1) != 1:
-        raise ValueError("the caches must hold qkv's dtype, in rows of unit stride")
+    fp8 = k_cache.dtype == FP8
+    if k_cache.dtype not in (qkv.dtype, FP8) or k_cache.stride(-1) != 1:
+        raise ValueError("the caches must hold qkv's dtype or FP8, in rows of unit stride")
+    if fp8 and (k_scale is None or v_scale is None or k_scale.shape != k_cache.shape[:3]
+                or v_scale.stride() != k_scale.stride() or k_scale.stride(-1) != 1
+                or k_scale.dtype != torch.float32 or v_scale.shape != k_scale.shape):
+        raise ValueError("FP8 caches need float32 scales of [blocks, kv heads, page], one "
+                         "layout for K and V")
+    k_scales = k_scale if fp8 and k_scale is not None else k_cache
+    v_scales = v_scale if fp8 and v_scale is not None else v_cache
     if dim & (dim - 1):
         raise ValueError(f"a head size of {dim}: the kernel takes powers of two")
     if (q_norm is None) != (k_norm is None):
@@ -150,9 +181,10 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     norm = q_norm is not None
     _qk_norm_rope_kernel[(t, heads + 2 * kv_heads)](
         qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, positions, q, k_cache,
-        v_cache, cache_slots, eps, dim, qkv.stride(0), q.stride(0), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=heads, HKV=kv_heads,
-        HEAD_DIM=dim, PAGE=k_cache.shape[2], NORM=norm, num_warps=NORM_WARPS)
+        v_cache, k_scales, v_scales, cache_slots, eps, dim, qkv.stride(0), q.stride(0),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scales.stride(0), k_scales.stride(1), HQ=heads, HKV=kv_heads, HEAD_DIM=dim,
+        PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=fp8, num_warps=NORM_WARPS)
     return q
 
 

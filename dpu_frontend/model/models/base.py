@@ -52,6 +52,11 @@ class Param:
         if not self.parts or self.init not in INITS:
             raise ValueError(f"parameter {self.name}: no parts, or init {self.init!r}")
 
+    @property
+    def linear(self) -> bool:
+        """A projection's weight matrix (what ``--quantization fp8`` quantizes in a layer)."""
+        return self.init == "linear"
+
 
 LAYER_PREFIX = "model.layers.{n}."
 #: The output head when the config ties it to the embedding: not in the checkpoint
@@ -88,6 +93,15 @@ class WeightTable:
 
     def parameter_count(self, config: ModelConfig) -> int:
         return sum(math.prod(shape) for shape in self.shapes(config).values())
+
+    def linear_shapes(self, config: ModelConfig) -> list[tuple[int, int]]:
+        """The [N, K] of one layer's linear weights (each packed parameter as one)."""
+        shapes = []
+        for param in self.layer:
+            if param.linear:
+                parts = [part.shape(config) for part in param.parts]
+                shapes.append((sum(s[0] for s in parts), parts[0][1]))
+        return shapes
 
 
 def decoder_weights(*, qk_norm: bool) -> WeightTable:

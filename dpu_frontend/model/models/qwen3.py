@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers.attention import Attention, KvCache, paged_attention
 from dpu_frontend.model.layers.linear import linear
-from dpu_frontend.model.layers.norm import rms_norm
+from dpu_frontend.model.layers.norm import rms_norm, rms_norm_fp8
+from dpu_frontend.model.layers.quant import Fp8Rows, Fp8Weight, Weight
 from dpu_frontend.model.layers.rope import RotaryTable, qk_norm_rope
 from dpu_frontend.model.weights import Params
 
@@ -27,13 +28,13 @@ class Layer:
     """One layer's parameters, by the weight table's names."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2 kv_size, hidden]: q_proj, k_proj, v_proj stacked
+    qkv: Weight  # [q_size + 2 kv_size, hidden]: q_proj, k_proj, v_proj stacked
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 intermediate, hidden]: gate_proj, up_proj stacked
-    down: torch.Tensor
+    gate_up: Weight  # [2 intermediate, hidden]: gate_proj, up_proj stacked
+    down: Weight
 
 
 class Qwen3:
@@ -43,6 +44,9 @@ class Qwen3:
         self.params = params
         self.cache = cache
         self.layers = [Layer(**layer) for layer in params.layers]
+        #: FP8 linear weights (``--quantization fp8``): the norms before them quantize the
+        #: rows they make, in the same launch.
+        self.fp8 = any(isinstance(w, Fp8Weight) for w in params.layers[0].values())
         self.embed, self.norm, self.lm_head = (params.top[n] for n in ("embed", "norm", "lm_head"))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, max_position,
                                   self.embed.dtype, self.embed.device)
@@ -56,17 +60,23 @@ class Qwen3:
         h = F.embedding(input_ids, self.embed)
         t = h.shape[0]
         for n, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
+            k_scale, v_scale = self.cache.scales(n)
+            x = self._norm(h, layer.input_norm)
             q = qk_norm_rope(linear(x, layer.qkv), layer.q_norm, layer.k_norm, eps, cos, sin,
                              attn.positions, k_cache[n], v_cache[n], attn.cache_slots,
-                             c.num_heads, c.num_kv_heads)
+                             c.num_heads, c.num_kv_heads, k_scale, v_scale)
             o = torch.empty_like(q)
             paged_attention(q, k_cache[n], v_cache[n], attn.tables, attn.tile_seq, attn.tile_row,
-                            attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o)
+                            attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o,
+                            k_scale=k_scale, v_scale=v_scale)
             h = linear(o.reshape(t, c.q_size), layer.o_proj, residual=h)
-            x = rms_norm(h, layer.post_norm, eps)
+            x = self._norm(h, layer.post_norm)
             h = linear(linear(x, layer.gate_up, gated=True), layer.down, residual=h)
         return h
+
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Rows:
+        eps = self.config.rms_norm_eps
+        return rms_norm_fp8(h, weight, eps) if self.fp8 else rms_norm(h, weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given rows."""
