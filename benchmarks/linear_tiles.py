@@ -14,11 +14,16 @@ bandwidth measured in the same run. Each launch reads another copy of the
 weight, enough copies to overflow L2, as a model's layers do. Candidates load by
 pointers or by the TMA (names ending in ``t``); with ``--splits``, the splits
 run in one program or spread over programs (``s``), all against the bits of the
-reference tile in the same split.
+reference tile in the same split. With ``--fp8``, the decoder layers' linears run
+as ``--quantization fp8`` runs them (FP8 weights and rows, the FP8 tables and
+candidates, the bound at a byte an element), beside cuBLAS's FP8 product
+(``torch._scaled_mm``, row and channel scales); the LM heads stay in bf16 and are
+not timed.
 
     python -m benchmarks.linear_tiles                         # Qwen3-0.6B shapes
     python -m benchmarks.linear_tiles --model-config benchmarks/configs/qwen3-8b.json
     python -m benchmarks.linear_tiles --json tiles.json      # every measurement
+    python -m benchmarks.linear_tiles --fp8 --model-config benchmarks/configs/qwen3-8b.json
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from benchmarks.common import record
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers import linear
-from dpu_frontend.model.layers.linear import REFERENCE_TILE, Tile
+from dpu_frontend.model.layers.linear import FP8_REFERENCE_TILE, REFERENCE_TILE, Tile
+from dpu_frontend.model.layers.quant import FP8, Fp8Rows, Fp8Weight, quantize_rows, quantize_weight
 
 #: Past 128 rows: tiles that read the weight once for 128-256 rows, or that put more
 #: programs on the GPU, 64 or 128 deep in K; by pointers, or by the TMA in a persistent
@@ -70,6 +76,17 @@ CANDIDATES: tuple[list[Tile], ...] = (
     LARGE,
     LARGE,
 )
+#: FP8 candidates: 64 rows or more, warps in fours (linear.FP8_BUCKET_TILES says why), 128
+#: or 256 deep in K (128 or 256 bytes a row, as 16-bit tiles 64 or 128 deep).
+FP8_SMALL: list[Tile] = (
+    [Tile(64, bn, bk, 4, s) for bn in (16, 32, 64) for bk in (128, 256) for s in (3, 5)]
+    + [Tile(64, bn, bk, 4, 4, tma=True) for bn, bk in ((32, 128), (32, 256), (64, 256))])
+FP8_LARGE: list[Tile] = (
+    [Tile(64, bn, bk, 4, s) for bn in (64, 128) for bk in (128, 256) for s in (3, 4)]
+    + [Tile(128, bn, 128, 8, s) for bn in (128, 256) for s in (3, 4)]
+    + [Tile(bm, bn, 128, w, s, tma=True) for bm, bn, w, s in (
+        (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3))])
+FP8_CANDIDATES: tuple[list[Tile], ...] = (FP8_SMALL, FP8_SMALL, FP8_LARGE, FP8_LARGE, FP8_LARGE)
 #: Weights per timed graph are rotated through this many bytes, beyond any L2.
 ROTATE_BYTES = 256 << 20
 
@@ -125,45 +142,59 @@ def entry(split: int, tile: Tile) -> str:
 
 
 def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, bandwidth: float,
-            gen: torch.Generator) -> dict[str, Any]:
+            gen: torch.Generator, fp8: bool = False) -> dict[str, Any]:
     """Every candidate of each row count's bucket in each K split, the tables' choice
     and cuBLAS. A candidate counts when it gives its split's reference bits."""
     device = torch.device("cuda")
     n, k = shape.n, shape.k
-    copies = max(1, min(32, -(-ROTATE_BYTES // (n * k * 2))))
+    element = 1 if fp8 else 2
+    copies = max(1, min(32, -(-ROTATE_BYTES // (n * k * element))))
     reps = max(20, copies)  # a graph's launches read every copy
-    weights = [torch.randn((n, k), generator=gen, device=device).to(torch.bfloat16) * 0.05
-               for _ in range(copies)]
+    drawn = (torch.randn((n, k), generator=gen, device=device) * 0.05 for _ in range(copies))
+    weights: list[torch.Tensor] | list[Fp8Weight] = (
+        [quantize_weight(w) for w in drawn] if fp8 else [w.to(torch.bfloat16) for w in drawn])
     out_n = n // 2 if shape.gated else n
-    bound_us = n * k * 2 / bandwidth * 1e6
-    table_split = linear.linear_split(n, k, torch.bfloat16)
+    bound_us = n * k * element / bandwidth * 1e6
+    dtype = FP8 if fp8 else torch.bfloat16
+    reference_tile = FP8_REFERENCE_TILE if fp8 else REFERENCE_TILE
+    candidates = FP8_CANDIDATES if fp8 else CANDIDATES
+    table_split = linear.linear_split(n, k, dtype)
+    if fp8:
+        splits = []  # FP8 shapes take no split
     rows: dict[str, Any] = {"n": n, "k": k, "bound_us": bound_us, "split": table_split,
-                            "batches": {}}
+                            "fp8": fp8, "batches": {}}
     for m in batches:
-        x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
+        x16 = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
+        # FP8 rows are quantized once, outside the timing: the norm before the layer makes
+        # them (or quant.quantize_rows, a launch of its own, for o_proj and down).
+        x: torch.Tensor | Fp8Rows = quantize_rows(x16) if fp8 else x16
         residual = (torch.randn((m, out_n), generator=gen, device=device).to(torch.bfloat16)
                     if shape.residual else None)
 
-        def run(split: int, tile: Tile | None, i: int = 0, x: torch.Tensor = x,
+        def run(split: int, tile: Tile | None, i: int = 0, x: torch.Tensor | Fp8Rows = x,
                 residual: torch.Tensor | None = residual) -> torch.Tensor:
             return linear.linear(x, weights[i % copies], shape.out_dtype, gated=shape.gated,
                                  residual=residual, tile=tile, split=split)
 
-        table = linear.linear_tile(n, k, torch.bfloat16, m)
+        table = linear.linear_tile(n, k, dtype, m)
         times: dict[str, float | str] = {}
         for split in dict.fromkeys([table_split, *splits]):
-            if not linear.split_fits(k, split, REFERENCE_TILE.block_k):
+            if not linear.split_fits(k, split, reference_tile.block_k):
                 continue  # the reference's K blocks do not split so: no candidates
-            reference = run(split, REFERENCE_TILE)
-            alone = run(split, REFERENCE_TILE, x=x[:1],
+            reference = run(split, reference_tile)
+            first = (Fp8Rows(x.data[:1], x.scale[:1], x.dtype) if isinstance(x, Fp8Rows)
+                     else x[:1])
+            alone = run(split, reference_tile, x=first,
                         residual=None if residual is None else residual[:1])
             if not torch.equal(alone, reference[:1]):
                 raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
                                  f"among {m} rows: the kernel is not batch-invariant")
-            tiles = [table, REFERENCE_TILE, *CANDIDATES[linear.bucket(m)]]
+            tiles = [table, reference_tile, *candidates[linear.bucket(m)]]
             if split > 1:  # the splits one after the other in a program, or spread
                 tiles += [t._replace(spread=True) for t in tiles if not t.tma]
-            if not linear.tma_fits(x, weights[0]):  # a TMA tile would run the pointer kernel
+            operands = ((x.data, weights[0].data) if isinstance(x, Fp8Rows)
+                        and isinstance(weights[0], Fp8Weight) else (x16, weights[0]))
+            if not linear.tma_fits(*operands):  # a TMA tile would run the pointer kernel
                 tiles = [t for t in tiles if not t.tma]
             for tile in dict.fromkeys(tiles):
                 try:
@@ -176,8 +207,16 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
                     continue
                 times[entry(split, tile)] = timed(partial(run, split, tile), iters, reps)
 
-        def cublas(i: int, x: torch.Tensor = x) -> torch.Tensor:
-            return torch.matmul(x, weights[i % copies].T)
+        # cuBLAS's FP8 product takes 16 rows or more: fewer run as 16.
+        padded = x if m >= 16 or not fp8 else quantize_rows(x16.new_zeros((16, k)))
+
+        def cublas(i: int, x16: torch.Tensor = x16,
+                   rows: torch.Tensor | Fp8Rows = padded) -> torch.Tensor:
+            w = weights[i % copies]
+            if isinstance(rows, Fp8Rows) and isinstance(w, Fp8Weight):
+                return torch._scaled_mm(rows.data, w.data.T, scale_a=rows.scale[:, None],
+                                        scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
+            return torch.matmul(x16, w.data.T if isinstance(w, Fp8Weight) else w.T)
 
         cublas_us = timed(cublas, iters, reps)
         exact = {t: v for t, v in times.items() if isinstance(v, float)}
@@ -200,7 +239,8 @@ def report(name: str, rows: dict[str, Any]) -> tuple[str, dict[str, float]]:
             us = tiles.get(name, "not run")
             return f"{us:7.1f} us ({us / bound:4.2f}x)" if isinstance(us, float) else f"{us:>16}"
 
-        reference = entry(int(rows["split"]), REFERENCE_TILE)
+        reference = entry(int(rows["split"]), FP8_REFERENCE_TILE if rows.get("fp8")
+                          else REFERENCE_TILE)
         lines.append(f"  M={m:>4}: table {b['table']:>20} {shown(b['table'])}"
                      f"  best {b['best']:>20} {shown(b['best'])}"
                      f"  reference {shown(reference)}"
@@ -211,14 +251,14 @@ def report(name: str, rows: dict[str, Any]) -> tuple[str, dict[str, float]]:
     return "\n".join(lines), figures
 
 
-def best_per_split(rows: dict[str, Any], splits: list[int]) -> list[str]:
+def best_per_split(rows: dict[str, Any], splits: list[int], buckets: int) -> list[str]:
     """Per split: the best exact tile of each bucket (the least mean time over the bucket's
     row counts, each over its best), and the sum over the row counts of those tiles."""
     batches: dict[str, dict[str, Any]] = rows["batches"]
     lines = []
     for split in splits:
         chosen, total = [], 0.0
-        for b in range(len(CANDIDATES)):
+        for b in range(buckets):
             ms = [m for m in batches if linear.bucket(int(m)) == b]
             if not ms:
                 chosen.append("-")
@@ -248,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", type=int, nargs="+", default=[],
                         help="K splits to time beside each shape's own (linear.SPLIT_K)")
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--fp8", action="store_true",
+                        help="the layers' linears as --quantization fp8 runs them (no LM head)")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in
                                                         shapes(ModelConfig.default())],
@@ -268,15 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     for model, config in configs:
         out["models"][model] = {}
         for shape in shapes(config):
-            if args.shapes and shape.name not in args.shapes:
+            if (args.shapes and shape.name not in args.shapes) or (
+                    args.fp8 and shape.name == "lm_head"):
                 continue
-            rows = measure(shape, args.batch, args.splits, args.iters, bandwidth, gen)
+            rows = measure(shape, args.batch, args.splits, args.iters, bandwidth, gen, args.fp8)
             out["models"][model][shape.name] = rows
             text, shape_figures = report(f"{model} {shape.name}", rows)
             print(text, flush=True)
             figures |= {f"{model}_{shape.name}_{k}": v for k, v in shape_figures.items()}
             splits = list(dict.fromkeys([int(rows["split"]), *args.splits]))
-            table[f"{model} {shape.name} ({shape.n}, {shape.k})"] = best_per_split(rows, splits)
+            table[f"{model} {shape.name} ({shape.n}, {shape.k})"] = best_per_split(
+                rows, splits, len(CANDIDATES))
     print("best exact tile per bucket (M <= " + ", ".join(map(str, linear.M_BUCKETS)) + ", more):")
     for name, lines in table.items():
         print(name)

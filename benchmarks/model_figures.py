@@ -25,9 +25,50 @@ from dpu_frontend.model.config import ModelConfig
 #: Bytes of a weight and of a K or V element in the bounds of the served model: bf16,
 #: the model peer's default ``--dtype``.
 SERVED_ELEMENT = 2
+#: An FP8 element, and the float32 scale beside each FP8 row, channel or cached head.
+FP8_ELEMENT, SCALE_BYTES = 1, 4
 #: model-peer flags ``model_serving`` sets from its own options, never through
-#: ``--peer-arg``: the bounds are computed from the config the peer runs.
-OWN_PEER_FLAGS = ("--model-config", "--scheduler")
+#: ``--peer-arg``: the bounds are computed from the config and the precision the peer runs.
+OWN_PEER_FLAGS = ("--model-config", "--scheduler", "--quantization", "--kv-cache-dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How the model peer stores what a step reads: the model dtype's element size,
+    FP8 linear weights (``--quantization fp8``: a float32 scale per output channel), an
+    FP8 KV cache (``--kv-cache-dtype fp8``: a float32 scale per token and head)."""
+
+    element: int = SERVED_ELEMENT
+    fp8_weights: bool = False
+    fp8_kv: bool = False
+
+    @classmethod
+    def of_flags(cls, quantization: str = "none", kv_cache_dtype: str = "auto",
+                 element: int = SERVED_ELEMENT) -> Precision:
+        return cls(element, quantization == "fp8", kv_cache_dtype == "fp8")
+
+    def flags(self) -> list[str]:
+        """The model peer's flags for this precision (none for the defaults)."""
+        return ((["--quantization", "fp8"] if self.fp8_weights else [])
+                + (["--kv-cache-dtype", "fp8"] if self.fp8_kv else []))
+
+    def describe(self) -> str:
+        return (f"{'FP8' if self.fp8_weights else 'model-dtype'} linear weights, "
+                f"{'FP8' if self.fp8_kv else 'model-dtype'} KV cache")
+
+    def weight_bytes(self, config: ModelConfig) -> int:
+        """``weight_bytes_read``: with FP8 weights, the layers' linear weights at a byte
+        an element and their channels' scales; the rest in the model dtype."""
+        total = weight_bytes_read(config, self.element)
+        if self.fp8_weights:
+            elements, channels = config.linear_weights()
+            total += elements * (FP8_ELEMENT - self.element) + channels * SCALE_BYTES
+        return total
+
+    def kv_bytes_per_token(self, config: ModelConfig) -> int:
+        if self.fp8_kv:
+            return config.kv_bytes_per_token(FP8_ELEMENT, SCALE_BYTES)
+        return config.kv_bytes_per_token(self.element)
 
 
 def load_config(path: Path | None) -> tuple[ModelConfig, str]:
@@ -39,11 +80,12 @@ def load_config(path: Path | None) -> tuple[ModelConfig, str]:
     return ModelConfig.load(path), str(path)
 
 
-def own_peer_flags(model_config: Path | None, scheduler: str,
-                   extra: Sequence[str]) -> list[str]:
-    """The model peer's ``--scheduler`` and ``--model-config`` (made absolute: the peer
-    runs in a directory of its own). ValueError if ``extra`` (``--peer-arg``) sets
-    either: the peer would run one config and the bounds be another's."""
+def own_peer_flags(model_config: Path | None, scheduler: str, extra: Sequence[str],
+                   precision: Precision = Precision()) -> list[str]:
+    """The model peer's ``--scheduler``, ``--model-config`` (made absolute: the peer
+    runs in a directory of its own) and precision flags. ValueError if ``extra``
+    (``--peer-arg``) sets any of them: the peer would run one config and the bounds be
+    another's."""
     for flag in extra:
         name = flag.split("=", 1)[0]
         # argparse takes an unambiguous prefix for the whole flag: refuse those too.
@@ -51,7 +93,7 @@ def own_peer_flags(model_config: Path | None, scheduler: str,
         if owns:
             raise ValueError(f"--peer-arg={flag}: pass {owns[0]} to the benchmark, which hands "
                              f"it to the model peer and computes the bounds from it")
-    flags = ["--scheduler", scheduler]
+    flags = ["--scheduler", scheduler, *precision.flags()]
     if model_config is not None:
         flags += ["--model-config", str(model_config.resolve())]
     return flags
@@ -77,11 +119,12 @@ def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT) -> int
     return parameters * element
 
 
-def step_bytes(config: ModelConfig, batch: int, context: int, element: int) -> tuple[int, int]:
+def step_bytes(config: ModelConfig, batch: int, context: int,
+               precision: Precision) -> tuple[int, int]:
     """A decode step's bytes read, (weights, K and V), with ``batch`` sequences each
-    attending ``context`` positions, in elements of ``element`` bytes."""
-    return (weight_bytes_read(config, element),
-            batch * context * config.kv_bytes_per_token(element))
+    attending ``context`` positions, stored as ``precision`` says."""
+    return (precision.weight_bytes(config),
+            batch * context * precision.kv_bytes_per_token(config))
 
 
 def kv_blocks(batch: int, positions: int, block_size: int) -> int:
@@ -90,23 +133,24 @@ def kv_blocks(batch: int, positions: int, block_size: int) -> int:
 
 
 def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch: int,
-                       bandwidth: float) -> float:
+                       bandwidth: float, precision: Precision = Precision()) -> float:
     """Decode tokens/s the copy bandwidth allows with ``batch`` sequences running, at the
     mix's mean context per generated token (a sequence's k-th token reads p + k)."""
     generated = sum(o for _, o in pairs)
     context = sum(o * (p + o / 2) for p, o in pairs) / generated
-    weights = weight_bytes_read(config)
-    step = weights + batch * context * config.kv_bytes_per_token(SERVED_ELEMENT)
+    step = precision.weight_bytes(config) + batch * context * precision.kv_bytes_per_token(config)
     return batch / (step / bandwidth)
 
 
 def own_bound_tokens_per_s(config: ModelConfig, steps: float, context_tokens: float,
-                           tokens: float, bandwidth: float) -> float:
+                           tokens: float, bandwidth: float,
+                           precision: Precision = Precision()) -> float:
     """Output tokens/s the copy bandwidth allows for the steps a run actually took:
-    the weights once a step (``weight_bytes_read``), and the K and V of every position each step attended
-    (the engine's ``context_tokens``), at their batch sizes, tail and ramp included."""
-    seconds = (steps * weight_bytes_read(config)
-               + context_tokens * config.kv_bytes_per_token(SERVED_ELEMENT)) / bandwidth
+    the weights once a step (``weight_bytes_read``), and the K and V of every position
+    each step attended (the engine's ``context_tokens``), at their batch sizes, tail and
+    ramp included."""
+    seconds = (steps * precision.weight_bytes(config)
+               + context_tokens * precision.kv_bytes_per_token(config)) / bandwidth
     return tokens / seconds if seconds else 0.0
 
 
@@ -154,7 +198,7 @@ def is_gpu(counters: Mapping[str, Any]) -> bool:
 
 def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
                    after: Mapping[str, Any], output_tokens_per_s: float,
-                   bandwidth: float) -> dict[str, object]:
+                   bandwidth: float, precision: Precision = Precision()) -> dict[str, object]:
     """Where the peer's time went during a run, per engine step, from two readings of
     its ``kernel`` counters. The same figures for both schedulers: steps and their mean
     tokens, the steps' GPU time, and beside the output rate the bound of the run's own
@@ -186,8 +230,8 @@ def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
                 f"between steps"] = (f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + "
                                      f"{per['judge_s']}) / {per['loop_s']}")
     figures[f"{name}: per step, ms: GPU time"] = round(run.gpu_s / steps * 1e3, 2)
-    own = (own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth)
-           if run.context is not None else 0.0)
+    own = (own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth,
+                                  precision) if run.context is not None else 0.0)
     figures[f"{name}: bound of the run's own steps (weights + KV read each step), output "
             f"tokens/s"] = (f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} "
                             f"of it)" if own else "-")

@@ -40,6 +40,7 @@ import torch
 from benchmarks.common import cpu_seconds, py_spy, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_figures import (
+    Precision,
     bound_tokens_per_s,
     describe,
     engine_figures,
@@ -49,7 +50,7 @@ from benchmarks.model_figures import (
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.config import PeerAddress
 from dpu_frontend.control.stats import peer_report
-from dpu_frontend.model.options import SCHEDULERS
+from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULERS
 from tests.stack import running_stack
 
 VOCAB_LOW, VOCAB_HIGH = 100, 150_000
@@ -74,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
                          "model peer; the bounds are its (default: Qwen3-0.6B's shapes)")
     ap.add_argument("--scheduler", choices=SCHEDULERS, default="host",
                     help="the model peer's engine loop: on the host, or inside the GPU")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                    help="the model peer's flag: FP8 linear weights (the bounds count them)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the model peer's flag: an FP8 KV cache (the bounds count it)")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="sample the model peer with py-spy at each rate, into DIR")
     args = ap.parse_args(argv)
     try:
-        own_flags = own_peer_flags(args.model_config, args.scheduler, args.peer_arg)
+        precision = Precision.of_flags(args.quantization, args.kv_cache_dtype)
+        own_flags = own_peer_flags(args.model_config, args.scheduler, args.peer_arg, precision)
     except ValueError as exc:
         ap.error(str(exc))
 
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                  *own_flags, *args.peer_arg)
     figures: dict[str, object] = {
         "model config": origin, "model": describe(config), "scheduler": args.scheduler,
+        "precision": precision.describe(),
         "lengths": f"{len(pairs)} ShareGPT pairs, prompt mean "
                    f"{statistics.mean(p for p, _ in pairs):.0f}, output mean "
                    f"{statistics.mean(o for _, o in pairs):.0f} tokens",
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "max sequences per step": args.max_seqs, "model peer flags": " ".join(args.peer_arg),
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         f"bound at batch {args.max_seqs}, output tokens/s":
-            round(bound_tokens_per_s(config, pairs, args.max_seqs, bandwidth)),
+            round(bound_tokens_per_s(config, pairs, args.max_seqs, bandwidth, precision)),
     }
     serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000")
 
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             figures |= summary(done, name, full_batch=args.max_seqs if rate == float("inf") else 0)
             figures |= engine_figures(name, config, engine0,
                                       engine_counters(stack.peer_address()),
-                                      tokens / done.elapsed, bandwidth)
+                                      tokens / done.elapsed, bandwidth, precision)
             figures[f"{name}: peer CPU s per 1,000 tokens"] = round(
                 (cpu_seconds(peer) - cpu0[0]) / tokens * 1000, 3)
             figures[f"{name}: daemon CPU, cores busy of {args.workers}"] = round(

@@ -22,6 +22,8 @@ takes it.
     python -m benchmarks.model_step --batch 1 8 64 256 --context 1024
     python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-8b.json
     python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-32b.json --batch 1 8 64
+    python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-8b.json \
+        --quantization fp8 --kv-cache-dtype fp8       # opt-in FP8, its own bound
 
 (Qwen3-32B's 65.5 GB of bf16 weights leave an 80 GB card little room for the
 KV cache at the default ``--memory-fraction`` 0.85: there, fewer sequences and
@@ -37,9 +39,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import record
-from benchmarks.model_figures import describe, kv_blocks, load_config, step_bytes, weight_bytes_read
+from benchmarks.model_figures import Precision, describe, kv_blocks, load_config, step_bytes
 from dpu_frontend.model.blocks import BlockPool, BlockTable
-from dpu_frontend.model.options import RunnerOptions
+from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
 from dpu_frontend.ring.records import SamplingParams
@@ -91,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                    help="the model peer's flag: FP8 linear weights (the bound counts them)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the model peer's flag: an FP8 KV cache (the bound counts it)")
     ap.add_argument("--model-config", type=Path, metavar="FILE",
                     help="the model's config.json (or a directory with one); the weights, "
                          "the KV bytes and the bound are its (default: Qwen3-0.6B's shapes)")
@@ -108,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(config, RunnerOptions(dtype=args.dtype, max_seqs=biggest,
                                                max_model_len=args.context + 64,
                                                memory_fraction=args.memory_fraction,
-                                               cuda_graphs=not args.eager))
+                                               cuda_graphs=not args.eager,
+                                               quantization=args.quantization,
+                                               kv_cache_dtype=args.kv_cache_dtype))
     runner.load()
     needed = kv_blocks(biggest, args.context + 1, runner.options.block_size)
     if runner.num_blocks < needed:
@@ -117,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"tokens need {needed}: smaller --batch or --context, or a larger "
                          f"--memory-fraction")
     bandwidth = copy_bandwidth(runner.device)
-    element = torch.finfo(runner.dtype).bits // 8
-    weight_bytes = weight_bytes_read(config, element)
+    precision = Precision.of_flags(args.quantization, args.kv_cache_dtype,
+                                   torch.finfo(runner.dtype).bits // 8)
+    weight_bytes = precision.weight_bytes(config)
     figures: dict[str, object] = {
         "device": torch.cuda.get_device_name(runner.device),
         "model config": origin, "model": describe(config), "dtype": args.dtype,
+        "precision": precision.describe(),
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         "weights read a step, GB": round(weight_bytes / 1e9, 3), "context": args.context,
         "KV cache blocks": runner.num_blocks, "CUDA graphs": not args.eager,
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-        _, kv_bytes = step_bytes(config, size, args.context + 1, element)
+        _, kv_bytes = step_bytes(config, size, args.context + 1, precision)
         bound = (weight_bytes + kv_bytes) / bandwidth
         best, median = min(times), statistics.median(times)
         figures[f"batch {size}: step best / median, ms"] = f"{best * 1e3:.3f} / {median * 1e3:.3f}"

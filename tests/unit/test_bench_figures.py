@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from benchmarks.model_figures import (
+    Precision,
     bound_tokens_per_s,
     counter_deltas,
     describe,
@@ -80,8 +81,8 @@ def test_the_bounds_are_the_given_configs(qwen3_8b: ModelConfig) -> None:
 
 
 def test_a_decode_steps_bytes_and_blocks(qwen3_8b: ModelConfig) -> None:
-    assert step_bytes(qwen3_8b, 256, 1025, 2) == (WEIGHTS_8B, 256 * 1025 * KV_8B)
-    assert step_bytes(qwen3_8b, 1, 1, 4) == (2 * WEIGHTS_8B, 2 * KV_8B)
+    assert step_bytes(qwen3_8b, 256, 1025, Precision()) == (WEIGHTS_8B, 256 * 1025 * KV_8B)
+    assert step_bytes(qwen3_8b, 1, 1, Precision(4)) == (2 * WEIGHTS_8B, 2 * KV_8B)
     # A sequence of 1,025 positions in 32-token blocks holds 33 of them.
     assert kv_blocks(256, 1025, 32) == 256 * 33 and kv_blocks(3, 64, 32) == 6
 
@@ -206,3 +207,36 @@ def test_the_peer_flags_the_bounds_depend_on_are_refused_as_peer_args(
         extra: list[str]) -> None:
     with pytest.raises(ValueError, match=r"pass --(model-config|scheduler) to the benchmark"):
         own_peer_flags(None, "host", extra)
+
+
+#: Qwen3-8B's layers' linear weights by hand: per layer qkv (4,096 + 2 x 1,024) x 4,096, o_proj
+#: 4,096 x 4,096, gate_up 2 x 12,288 x 4,096 and down 4,096 x 12,288; and their output
+#: channels (a float32 scale each in FP8).
+LINEAR_8B = 36 * (6144 * 4096 + 4096 * 4096 + 24576 * 4096 + 4096 * 12288)
+CHANNELS_8B = 36 * (6144 + 4096 + 24576 + 4096)
+
+
+def test_fp8_bounds_count_a_byte_an_element_and_the_scales(qwen3_8b: ModelConfig) -> None:
+    assert qwen3_8b.linear_weights() == (LINEAR_8B, CHANNELS_8B)
+    fp8 = Precision.of_flags("fp8", "fp8")
+    assert fp8.weight_bytes(qwen3_8b) == WEIGHTS_8B - LINEAR_8B + CHANNELS_8B * 4
+    # K and V, 8 heads of 128 in 36 layers: a byte an element and a float32 scale a head.
+    assert fp8.kv_bytes_per_token(qwen3_8b) == 2 * 36 * 8 * (128 + 4)
+    assert Precision.of_flags("fp8").kv_bytes_per_token(qwen3_8b) == KV_8B
+    assert Precision.of_flags(kv_cache_dtype="fp8").weight_bytes(qwen3_8b) == WEIGHTS_8B
+    assert step_bytes(qwen3_8b, 2, 10, fp8) == (fp8.weight_bytes(qwen3_8b),
+                                                 20 * 2 * 36 * 8 * 132)
+    own = own_bound_tokens_per_s(qwen3_8b, 10, 5e5, 1000, BANDWIDTH, fp8)
+    assert own == pytest.approx(1000 / ((10 * fp8.weight_bytes(qwen3_8b) + 5e5 * 2 * 36 * 8 * 132)
+                                        / BANDWIDTH))
+
+
+def test_the_serving_benchmark_hands_its_precision_to_the_peer() -> None:
+    flags = own_peer_flags(None, "host", [], Precision.of_flags("fp8", "fp8"))
+    assert flags == ["--scheduler", "host", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    options = MODEL_OPTIONS.build(build_parser().parse_args(["model-peer", *flags]))
+    assert (options.runner.quantization, options.runner.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(ValueError, match="pass --quantization to the benchmark"):
+        own_peer_flags(None, "host", ["--quantization=fp8"])
+    with pytest.raises(ValueError, match="pass --kv-cache-dtype to the benchmark"):
+        own_peer_flags(None, "host", ["--kv-cache-dtype", "fp8"])
