@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             text, shape_figures = report(f"{model} {shape.name}", rows)
             print(text, flush=True)
             figures |= {f"{model}_{shape.name}_{k}": v for k, v in shape_figures.items()}
-            splits = list(dict.fromkeys([int(rows["split"]), *args.splits]))
+            splits = list(dict.fromkeys([int(rows["split"]), *([] if args.fp8 else args.splits)]))
             table[f"{model} {shape.name} ({shape.n}, {shape.k})"] = best_per_split(
                 rows, splits, len(CANDIDATES))
     print("best exact tile per bucket (M <= " + ", ".join(map(str, linear.M_BUCKETS)) + ", more):")

@@ -111,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
 
     config, origin = load_config(args.model_config)
     biggest = max(args.batch)
-    runner = ModelRunner(config, RunnerOptions(dtype=args.dtype, max_seqs=biggest,
-                                               max_model_len=args.context + 64,
-                                               memory_fraction=args.memory_fraction,
-                                               cuda_graphs=not args.eager,
-                                               quantization=args.quantization,
-                                               kv_cache_dtype=args.kv_cache_dtype))
+    try:
+        options = RunnerOptions(dtype=args.dtype, max_seqs=biggest,
+                                max_model_len=args.context + 64,
+                                memory_fraction=args.memory_fraction, cuda_graphs=not args.eager,
+                                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    except ValueError as exc:
+        ap.error(str(exc))
+    runner = ModelRunner(config, options)
     runner.load()
     needed = kv_blocks(biggest, args.context + 1, runner.options.block_size)
     if runner.num_blocks < needed:

@@ -33,11 +33,12 @@ class RunnerOptions:
     quantization: str = field(default="none", metadata=about(
         "the decoder layers' linear weights in FP8 (e4m3, a scale per output channel), "
         "multiplied on FP8 tensor cores with the activations quantized per row; the "
-        "embedding, the norms and the LM head stay in --dtype (Hopper or later)",
+        "embedding, the norms and the LM head stay in --dtype (on Hopper)",
         choices=QUANTIZATIONS))
     kv_cache_dtype: str = field(default="auto", metadata=about(
         "the KV cache's element: auto (--dtype) or fp8 (e4m3, a float32 scale per token "
-        "and head; about half the bytes, so twice the tokens in the same memory)",
+        "and head; about half the bytes, so twice the tokens in the same memory; with "
+        "--dtype bfloat16, on Hopper)",
         choices=KV_CACHE_DTYPES))
     device: int = field(default=0, metadata=about("CUDA device index"))
     weights: Path | None = field(default=None, metadata=about(
@@ -71,6 +72,11 @@ class RunnerOptions:
         if self.dtype == "float32" and (self.fp8_weights or self.fp8_kv):
             raise ValueError("FP8 weights and KV cache run beside a 16-bit --dtype "
                              "(bfloat16 or float16), not float32")
+        if self.dtype == "float16" and self.fp8_kv:
+            # Attention rounds the softmax weights times V's scales (amax / 448) to the
+            # model dtype: in float16 the small heads' products fall below its normals.
+            raise ValueError("an FP8 KV cache runs beside --dtype bfloat16 (in float16 the "
+                             "values' scaled weights lose precision)")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size {self.block_size}: 16, 32 or 64")
         if not 0.1 <= self.memory_fraction <= 0.98:

@@ -51,9 +51,13 @@ class ModelRunner:
         c, o = self.config, self.options
         torch.cuda.set_device(self.device)
         table = registry.spec(c.architecture).weights
-        if (o.fp8_weights or o.fp8_kv) and torch.cuda.get_device_capability(self.device) < (9, 0):
-            raise StartupError("FP8 weights and KV cache run on Hopper GPUs or later (compute "
-                               "capability 9.0): their batch-invariant MMA is Hopper's")
+        if (o.fp8_weights or o.fp8_kv) and (
+                torch.version.hip is not None
+                or torch.cuda.get_device_capability(self.device)[0] != 9):
+            raise StartupError("FP8 weights and KV cache run on NVIDIA Hopper GPUs (compute "
+                               "capability 9.x): the only ones their tiles and bits were "
+                               "measured on (the FP8 linears' batch invariance rests on "
+                               "Hopper's warpgroup MMA)")
         if o.weights is None:
             params = Params.random(table, c, self.dtype, self.device, o.weight_seed,
                                    fp8=o.fp8_weights)
@@ -113,6 +117,9 @@ class ModelRunner:
 
     def _blocks_that_fit(self, extra: int) -> int:
         o = self.options
+        # What the load's temporaries left in torch's cache (the weights drawn or quantized
+        # in float32) is free for the KV cache too.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # What the step's activations and the sampler's [batch, vocab] buffers take.
         reserve = (4 << 30) + extra

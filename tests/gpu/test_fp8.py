@@ -24,7 +24,7 @@ from dpu_frontend.model.layers.attention import paged_attention
 from dpu_frontend.model.layers.norm import rms_norm, rms_norm_fp8
 from dpu_frontend.model.layers.quant import (
     FP8,
-    FP8_MAX,
+    INV_FP8_MAX,
     MIN_AMAX,
     dequantize,
     quantize_rows,
@@ -53,7 +53,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quant's rule in torch, row by row over the last dimension."""
     amax = x.float().abs().amax(dim=-1).clamp_min(MIN_AMAX)
-    scale = amax / FP8_MAX
+    scale = amax * INV_FP8_MAX
     return (x.float() / scale[..., None]).to(FP8), scale
 
 

@@ -182,9 +182,11 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
     (["model-peer", "--scheduler", "gpu", "--overlap", "--max-seqs", "1024"],
      (PeerConfig(), ModelPeerOptions(None, RunnerOptions(max_seqs=1024), EngineOptions(),
                                      scheduler="gpu"), LoggingConfig())),
-    (["model-peer", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--dtype", "float16"],
-     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(dtype="float16", quantization="fp8",
-                                                         kv_cache_dtype="fp8"),
+    (["model-peer", "--quantization", "fp8", "--kv-cache-dtype", "fp8"],
+     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(quantization="fp8", kv_cache_dtype="fp8"),
+                                     EngineOptions()), LoggingConfig())),
+    (["model-peer", "--quantization", "fp8", "--dtype", "float16"],
+     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(dtype="float16", quantization="fp8"),
                                      EngineOptions()), LoggingConfig())),
 ]
 
@@ -222,6 +224,8 @@ def test_flags_build_the_configs_of_the_hand_written_functions(
      "FP8 weights and KV cache run beside a 16-bit --dtype"),
     (["model-peer", "--dtype", "float32", "--kv-cache-dtype", "fp8"],
      "FP8 weights and KV cache run beside a 16-bit --dtype"),
+    (["model-peer", "--dtype", "float16", "--kv-cache-dtype", "fp8"],
+     "an FP8 KV cache runs beside --dtype bfloat16"),
 ])
 def test_a_bad_value_exits_2_with_the_fields_message(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -194,9 +194,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, hkv, page, _ = k_cache.shape
     group = hq // hkv
     fp8 = k_cache.dtype == FP8
+    if v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches must have one dtype and one layout")
     if (k_scale is None) != (v_scale is None) or fp8 != (k_scale is not None) or (
-            k_scale is not None and v_scale is not None and k_scale.stride() != v_scale.stride()):
-        raise ValueError("an FP8 cache, and only one, comes with K and V scales of one layout")
+            k_scale is not None and v_scale is not None and (
+                k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_scale.shape
+                or k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1
+                or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32)):
+        raise ValueError("an FP8 cache, and only one, comes with float32 K and V scales of "
+                         "[blocks, kv heads, page], one layout for both")
     if tile_seq.shape[0] == 0:
         return
     part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)

@@ -386,8 +386,12 @@ def _operands(x: torch.Tensor | Fp8Rows, weight: Weight
     quantized here (``quant.quantize_rows``)."""
     if isinstance(weight, Fp8Weight):
         rows = x if isinstance(x, Fp8Rows) else quantize_rows(x)
-        if rows.scale.shape != rows.data.shape[:1] or weight.scale.shape != weight.data.shape[:1]:
-            raise ValueError("an FP8 operand has a float32 scale per row")
+        for data, scale in ((rows.data, rows.scale), (weight.data, weight.scale)):
+            if (scale.shape != data.shape[:1] or scale.dtype != torch.float32
+                    or scale.stride(0) != 1 or scale.device != data.device):
+                raise ValueError("an FP8 operand has a float32 scale per row, beside it")
+        if rows.dtype == FP8:
+            raise ValueError("FP8 rows stand for rows of a 16-bit model dtype")
         return rows.data, weight.data, rows.dtype, rows.scale, weight.scale
     if isinstance(x, Fp8Rows):
         raise ValueError("FP8 rows are multiplied by an FP8 weight")
@@ -413,7 +417,12 @@ def linear(x: torch.Tensor | Fp8Rows, weight: Weight, out_dtype: torch.dtype | N
     _check(x, w, y, gated, residual, split)
     if m == 0:
         return y
+    if y.dtype == FP8:
+        raise ValueError("a linear's output is the model dtype or float32, not FP8")
     tile = Tile(*tile) if tile else linear_tile(w.shape[0], k, x.dtype, m)
+    if x.dtype == FP8 and (tile.block_m < 64 or tile.warps % 4):
+        # A smaller tile runs another MMA, whose FP8 sums have other bits.
+        raise ValueError(f"FP8 tile {tile}: 64 rows or more, warps in fours")
     splits = split or linear_split(w.shape[0], k, x.dtype)
     if not split_fits(k, splits, tile.block_k):
         raise ValueError(f"K {k} in {splits} splits is not a whole number of "

@@ -3,9 +3,10 @@
 """FP8 (e4m3): the opt-in weights and activations of ``--quantization fp8``, and the
 scale rule that the KV cache's ``--kv-cache-dtype fp8`` shares.
 
-Every scale is the amax of what it covers over e4m3's largest finite value (448),
-and each value is divided by it, correctly rounded, then rounded to e4m3 (to
-nearest, ties to even). A weight has one scale per output channel, computed
+Every scale is the amax of what it covers times the reciprocal of e4m3's largest
+finite value (1/448, rounded to float32), and each value is divided by it, correctly
+rounded, then rounded to e4m3 (to nearest, ties to even): the same bits from torch on
+either device and from the kernels. A weight has one scale per output channel, computed
 once at load; the activations entering a linear layer one per row, computed as
 they are made; a cached K or V one per token and head, as it is written. None
 depends on other rows: a maximum is exact in any order, so a row's scale and
@@ -26,8 +27,11 @@ FP8 = torch.float8_e4m3fn
 #: The smallest amax a scale is made from: an all-zero row scales by this over 448
 #: (and stays zero), never by zero.
 MIN_AMAX = 1e-12
+#: A scale is the amax times this (a float32 multiply: a division by 448 may compile to
+#: one, or not).
+INV_FP8_MAX = 1.0 / FP8_MAX
 # The same two numbers for the kernels (Triton reads globals only as constexprs).
-_FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
@@ -63,7 +67,7 @@ Weight = torch.Tensor | Fp8Weight
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """``weight`` [N, K] in e4m3 with a scale per output channel (torch, at load)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
+    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) * INV_FP8_MAX
     data = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data, scale)
 
@@ -76,7 +80,7 @@ def dequantize(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
 @triton.jit
 def fp8_scale(amax):
     """The scale of values whose largest magnitude is ``amax``."""
-    return tl.maximum(amax, _MIN_AMAX) / _FP8_MAX
+    return tl.maximum(amax, _MIN_AMAX) * _INV_FP8_MAX
 
 
 @triton.jit

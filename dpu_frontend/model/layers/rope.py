@@ -66,6 +66,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
         return x
     if cache is None or cache_slots is None:  # the cache arguments are unused: any tensor
         cache, cache_slots, to_cache = x.view(t, heads, 1, dim), positions, False
+    elif cache.dtype != x.dtype:
+        raise ValueError("rope writes a cache of x's dtype (qk_norm_rope writes FP8 caches)")
     else:
         to_cache = True
     _rope_kernel[(t,)](x, cos, sin, positions, x, cache, cache_slots,
