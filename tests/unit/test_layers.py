@@ -24,6 +24,7 @@ RANKS: dict[str, int] = {
     "__init__": 0, "errors": 0, "flags": 0,
     "ring": 1,
     "config": 2, "metrics": 2, "logs": 2, "sdnotify": 2, "lifecycle": 2, "private": 2,
+    "gguf": 2,
     "control": 3, "text": 3, "transport": 3, "settings": 3,
     "engine": 4, "peer": 4,
     "http": 5, "gpu": 5,
@@ -85,7 +86,8 @@ MODEL_RANKS: dict[str, int] = {
     "__init__": 0, "sampling": 0, "blocks": 0, "scheduler": 0, "options": 0,
     "metadata": 0, "device": 0,
     "layers": 1,
-    "config": 2, "registry": 2, "checkpoint": 2, "weights": 2, "models": 2,
+    "config": 2, "registry": 2, "checkpoint": 2, "gguf_checkpoint": 2, "weights": 2,
+    "models": 2,
     "runner": 3, "graphs": 3, "engine": 3, "events": 3, "gpu_scheduler": 3, "publish": 3, "source": 3,
     "peer": 3,
 }
