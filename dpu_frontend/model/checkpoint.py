@@ -53,6 +53,27 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return registry.spec(config.architecture).weights.shapes(config)
 
 
+def check_tensors(origin: str, found: dict[str, tuple[int, ...]], config: ModelConfig) -> None:
+    """StartupError unless the tensors ``found`` (HF's names -> shapes) are the ones
+    ``config``'s weight table has, in its shapes: none missing, none unknown (bar the
+    buffers exporters add and a tied head written anyway)."""
+    shapes = expected_shapes(config)
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in found
+    unknown = sorted(n for n in found if n not in shapes and not _IGNORED.fullmatch(n)
+                     and not (tied_head and n == "lm_head.weight"))
+    if unknown:
+        raise StartupError(f"{origin}: tensors this {config.architecture} config does not have: "
+                           f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    missing = sorted(n for n in shapes if n not in found)
+    if missing:
+        raise StartupError(f"{origin}: missing tensors: {', '.join(missing[:5])}"
+                           f"{' ...' if len(missing) > 5 else ''}")
+    for name, shape in shapes.items():
+        if found[name] != shape:
+            raise StartupError(f"{origin}: {name} has shape {list(found[name])}, "
+                               f"the config says {list(shape)}")
+
+
 class Checkpoint:
     """The checked tensors of a checkpoint directory. ``open()`` maps the files."""
 
@@ -70,22 +91,8 @@ class Checkpoint:
                 if ref.name in found:
                     raise StartupError(f"{directory}: tensor {ref.name} is in two files")
                 found[ref.name] = ref
-        shapes = expected_shapes(config)
-        tied_head = config.tie_word_embeddings and "lm_head.weight" in found
-        unknown = sorted(n for n in found if n not in shapes and not _IGNORED.fullmatch(n)
-                         and not (tied_head and n == "lm_head.weight"))
-        if unknown:
-            raise StartupError(f"{directory}: tensors this {config.architecture} config does not have: "
-                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
-        missing = sorted(n for n in shapes if n not in found)
-        if missing:
-            raise StartupError(f"{directory}: missing tensors: {', '.join(missing[:5])}"
-                               f"{' ...' if len(missing) > 5 else ''}")
-        for name, shape in shapes.items():
-            if found[name].shape != shape:
-                raise StartupError(f"{directory}: {name} has shape {list(found[name].shape)}, "
-                                   f"the config says {list(shape)}")
-        return cls(directory, {name: found[name] for name in shapes})
+        check_tensors(str(directory), {n: ref.shape for n, ref in found.items()}, config)
+        return cls(directory, {name: found[name] for name in expected_shapes(config)})
 
     def open(self) -> None:
         for ref in self.tensors.values():

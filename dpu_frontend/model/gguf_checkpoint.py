@@ -22,11 +22,16 @@ arrays to the GPU in its dtype, a tensor at a time.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dpu_frontend.gguf import BLOCKS, GgufError, GgufFile, TensorType
+from dpu_frontend.errors import StartupError
+from dpu_frontend.gguf import BLOCKS, GgufError, GgufFile, TensorType, open_gguf
+from dpu_frontend.model.checkpoint import check_tensors, expected_shapes
+from dpu_frontend.model.config import ModelConfig
 
 #: ``general.architecture`` -> config.json's ``architectures`` and ``model_type``.
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
@@ -161,3 +166,69 @@ def hf_names(f: GgufFile) -> dict[str, str]:
     for info in f:
         names[hf_name(info.name)] = info.name
     return names
+
+
+def load_config(path: Path) -> ModelConfig:
+    """The ``ModelConfig`` of the GGUF file at ``path`` (its header's); StartupError for
+    a file this engine does not read."""
+    try:
+        with open_gguf(path) as f:
+            return ModelConfig.from_dict(hf_config(f), str(path))
+    except (GgufError, OSError) as exc:
+        raise StartupError(f"cannot read {path}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GgufTensor:
+    """What ``weights.Params.load`` reads of a checkpoint's tensor: float32, HF's shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "F32"
+
+
+class GgufCheckpoint:
+    """A llama GGUF file with ``checkpoint.Checkpoint``'s face for ``Params.load``: HF's
+    names and shapes, checked against the config's weight table, each tensor handed out
+    as float32 bytes in HF's layout (dequantized as it is asked for)."""
+
+    def __init__(self, path: Path, config: dict[str, Any], names: dict[str, str],
+                 tensors: dict[str, GgufTensor]) -> None:
+        self.path = path
+        self.tensors = tensors
+        self._config = config
+        self._names = names
+        self._file: GgufFile | None = None
+
+    @classmethod
+    def scan(cls, path: Path, config: ModelConfig) -> GgufCheckpoint:
+        """Read the header, and check its tensors against ``config``'s table."""
+        try:
+            with open_gguf(path) as f:
+                names = hf_names(f)
+                hf = hf_config(f)
+                found = {name: f.tensors[gguf].shape for name, gguf in names.items()}
+        except (GgufError, OSError) as exc:
+            raise StartupError(f"cannot read {path}: {exc}") from None
+        check_tensors(str(path), found, config)
+        tensors = {name: GgufTensor(name, shape) for name, shape in expected_shapes(config).items()}
+        return cls(path, hf, names, tensors)
+
+    def __enter__(self) -> GgufCheckpoint:
+        try:
+            self._file = open_gguf(self.path)
+        except (GgufError, OSError) as exc:
+            raise StartupError(f"cannot read {self.path}: {exc}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def data(self, name: str) -> memoryview:
+        """``name``'s float32 bytes in HF's layout (a copy: dequantized here)."""
+        if self._file is None:
+            raise RuntimeError("the GGUF checkpoint is not open")
+        array = np.ascontiguousarray(hf_tensor(self._file, self._names[name], self._config))
+        return array.data.cast("B")

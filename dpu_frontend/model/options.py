@@ -42,7 +42,8 @@ class RunnerOptions:
         choices=KV_CACHE_DTYPES))
     device: int = field(default=0, metadata=about("CUDA device index"))
     weights: Path | None = field(default=None, metadata=about(
-        "HF-layout safetensors checkpoint", metavar="DIR",
+        "an HF checkpoint directory (safetensors), or a llama GGUF file (FILE.gguf: "
+        "llama.cpp's, dequantized at load)", metavar="PATH",
         none="seeded random weights: real arithmetic, gibberish text"))
     weight_seed: int = field(default=0, metadata=about("seed of the random weights"))
     block_size: int = field(default=32, metadata=about(

@@ -25,6 +25,7 @@ from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.persistent import check_region
 from dpu_frontend.gpu.runtime import build, default_build_dir
+from dpu_frontend.model import gguf_checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.device import RECORDS, SCHEDULER
 from dpu_frontend.model.device.sched_core import SchedulerLibrary
@@ -50,6 +51,8 @@ def model_config(options: ModelPeerOptions) -> ModelConfig:
     if options.config is not None:
         return ModelConfig.load(options.config)
     if options.runner.weights is not None:
+        if options.runner.weights.suffix == ".gguf":
+            return gguf_checkpoint.load_config(options.runner.weights)
         return ModelConfig.load(options.runner.weights)
     return ModelConfig.default()
 

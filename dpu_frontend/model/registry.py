@@ -15,6 +15,9 @@ from dpu_frontend.model.models.base import DecoderClass, ModelSpec, decoder_weig
 
 MODELS: dict[str, ModelSpec] = {
     "Qwen3ForCausalLM": ModelSpec("qwen3", "qwen3:Qwen3", decoder_weights(qk_norm=True)),
+    # Llama 2 and 3 (plain RoPE; 3.1's llama3 scaling is refused), SmolLM2, and the
+    # Mistral-style configs that need nothing more.
+    "LlamaForCausalLM": ModelSpec("llama", "llama:Llama", decoder_weights(qk_norm=False)),
 }
 
 

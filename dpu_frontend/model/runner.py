@@ -21,6 +21,7 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint
 from dpu_frontend.model.graphs import StepGraphs
 from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
 from dpu_frontend.model.layers.quant import FP8
@@ -62,7 +63,10 @@ class ModelRunner:
             params = Params.random(table, c, self.dtype, self.device, o.weight_seed,
                                    fp8=o.fp8_weights)
         else:
-            with Checkpoint.scan(o.weights, c) as checkpoint:
+            # A GGUF file (llama.cpp's), or an HF checkpoint directory of safetensors.
+            source = (GgufCheckpoint.scan(o.weights, c) if o.weights.suffix == ".gguf"
+                      else Checkpoint.scan(o.weights, c))
+            with source as checkpoint:
                 params = Params.load(table, checkpoint, c, self.dtype, self.device,
                                      fp8=o.fp8_weights)
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)

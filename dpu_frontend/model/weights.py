@@ -14,6 +14,7 @@ import torch
 
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint
 from dpu_frontend.model.layers.quant import Fp8Weight, Weight, dequantize, quantize_weight
 from dpu_frontend.model.models.base import EMBED, HEAD, LAYER_PREFIX, Param, WeightTable
 
@@ -53,7 +54,7 @@ class Params:
         return cls(layers, _tied({p.name: draw(p) for p in table.top_params(config)}))
 
     @classmethod
-    def load(cls, table: WeightTable, checkpoint: Checkpoint, config: ModelConfig,
+    def load(cls, table: WeightTable, checkpoint: Checkpoint | GgufCheckpoint, config: ModelConfig,
              dtype: torch.dtype, device: torch.device, *, fp8: bool = False) -> Params:
         """Every tensor copied from the mapped files to the device, in ``dtype``; a packed
         parameter's parts concatenated in the table's order; ``fp8``: each layer's linear

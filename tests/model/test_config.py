@@ -58,6 +58,43 @@ def test_refused_configs_say_why(change: dict[str, Any], message: str) -> None:
         ModelConfig.from_dict(QWEN3_0_6B | change, "cfg")
 
 
+#: Meta-Llama-3-8B's config.json (the fields the engine reads, as published).
+LLAMA_3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "vocab_size": 128256, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_llama_config_is_served_without_q_and_k_norms() -> None:
+    c = ModelConfig.from_dict(LLAMA_3_8B, "llama-3-8b")
+    assert (c.architecture, c.qk_norm, c.head_dim, c.group_size, c.rope_theta) == (
+        "LlamaForCausalLM", False, 128, 4, 500000.0)
+    assert c.parameter_count() == 8_030_261_248  # Meta's 8.03B
+    # Mistral-7B v0.1's shapes without its window are a Llama config too.
+    mistral = LLAMA_3_8B | {"vocab_size": 32000, "rope_theta": 10000.0, "bos_token_id": 1,
+                            "eos_token_id": 2, "sliding_window": None}
+    assert ModelConfig.from_dict(mistral, "mistral").num_kv_heads == 8
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope_scaling"),  # Llama-3.1's, not implemented yet
+    ({"sliding_window": 4096}, "sliding_window = 4096"),  # Mistral-7B v0.1's
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"model_type": "qwen3"}, "model_type 'qwen3' does not match"),
+])
+def test_a_llama_config_needing_what_is_not_built_is_refused(change: dict[str, Any],
+                                                              message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        ModelConfig.from_dict(LLAMA_3_8B | change, "cfg")
+
+
 def test_missing_field_and_bad_file(tmp_path: Path) -> None:
     data = {k: v for k, v in QWEN3_0_6B.items() if k != "vocab_size"}
     with pytest.raises(StartupError, match="missing field 'vocab_size'"):

@@ -13,17 +13,21 @@ import gguf
 import numpy as np
 import pytest
 
+from dpu_frontend.errors import StartupError
 from dpu_frontend.gguf import GgufError, open_gguf
+from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.gguf_checkpoint import (
+    GgufCheckpoint,
     hf_config,
     hf_name,
     hf_names,
     hf_tensor,
+    load_config,
     tensor,
     unpermute,
 )
 
-LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 64, 96, 4, 2, 16, 40
+LAYERS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 128, 96, 2, 1, 64, 40
 #: transformers' GGUF reader (untyped; importable without torch): the reference for the
 #: config's keys and for the permutation's reversal.
 TRANSFORMERS_GGUF: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
@@ -163,3 +167,44 @@ def test_names_and_the_permutation() -> None:
     assert list(converter_permute(w, 4)[:8, 0] // 3) == [0, 4, 1, 5, 2, 6, 3, 7]
     with pytest.raises(GgufError, match="30 rows in 4 heads of pairs"):
         unpermute(np.zeros((30, 3), dtype=np.float32), 4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_model_peer_reads_the_file_as_a_checkpoint(tmp_path: Path, tied: bool) -> None:
+    """``--weights FILE.gguf``: the config from its header, the tensors checked against the
+    Llama weight table and handed to ``Params.load`` as float32 bytes in HF's layout."""
+    state = hf_checkpoint(11, tied)
+    path = tmp_path / "llama.gguf"
+    write(path, state)
+    config = load_config(path)
+    assert (config.architecture, config.qk_norm, config.tie_word_embeddings) == (
+        "LlamaForCausalLM", False, tied)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size, config.eos_token_ids) == (
+                LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, (2,))
+    checkpoint = GgufCheckpoint.scan(path, config)
+    assert set(checkpoint.tensors) == set(state) - ({"lm_head.weight"} if tied else set())
+    with checkpoint:
+        for name, ref in checkpoint.tensors.items():
+            assert ref.dtype == "F32" and ref.shape == state[name].shape
+            got = np.frombuffer(checkpoint.data(name), dtype=np.float32).reshape(ref.shape)
+            assert np.array_equal(got, state[name]), name
+
+
+def test_a_file_that_is_not_the_configs_model_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "llama.gguf"
+    write(path, hf_checkpoint(13, tied=True))
+    other = ModelConfig.from_dict(hf_config_dict(intermediate_size=INTER * 2), "test")
+    with pytest.raises(StartupError, match=r"mlp\.gate_proj\.weight has shape"):
+        GgufCheckpoint.scan(path, other)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x01\x00\x00\x00")
+    with pytest.raises(StartupError, match=r"cannot read .*bad\.gguf: .*GGUF version 1"):
+        load_config(tmp_path / "bad.gguf")
+
+
+def hf_config_dict(**change: Any) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
+            "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "max_position_embeddings": 2048, "vocab_size": VOCAB,
+            "tie_word_embeddings": True} | change

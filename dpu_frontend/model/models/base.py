@@ -170,9 +170,15 @@ class ModelSpec:
             if kind not in self.rope_scaling:
                 raise ValueError(f"rope_scaling = {scaling!r} is not implemented by this engine "
                                  f"for {self.model_type}")
-        for key, refused in (("attention_bias", False), ("use_sliding_window", False)):
+        for key, refused in (("attention_bias", False), ("mlp_bias", False),
+                             ("use_sliding_window", False)):
             if d.get(key, refused) != refused:
                 raise ValueError(f"{key} = {d[key]!r} is not implemented by this engine")
+        # A window applies unless the config turns it off (Qwen's use_sliding_window);
+        # Mistral-7B v0.1's 4,096 does.
+        if d.get("sliding_window") is not None and d.get("use_sliding_window", True):
+            raise ValueError(f"sliding_window = {d['sliding_window']!r} is not implemented by "
+                             "this engine")
         act = d.get("hidden_act", "silu")
         if act not in self.activations:
             raise ValueError(f"hidden_act {act!r} is not implemented "
