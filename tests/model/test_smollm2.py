@@ -21,7 +21,7 @@ from dpu_frontend.model.gguf_checkpoint import hf_config, hf_names, tensor
 from dpu_frontend.text import gguf_tokenizer, smollm2
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.assets import smollm2_gguf
+from tests.assets import smollm2_gguf, smollm2_tokenizer
 
 #: transformers' GGUF tokenizer conversion (untyped; it needs no torch).
 CONVERSION: Any = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
@@ -91,8 +91,7 @@ def test_the_tokenizer_encodes_as_transformers_conversion() -> None:
 
 
 def test_setup_installs_the_tokenizer_the_daemon_serves() -> None:
-    smollm2_gguf()
-    vocab = Vocabulary.load(smollm2.tokenizer_dir())
+    vocab = Vocabulary.load(smollm2_tokenizer())
     assert vocab.eos_token_ids == (2,) and vocab.model_max_length == 8192
     assert vocab.chat_template is not None
     rendered = ChatTemplate(vocab.chat_template, vocab.special_tokens, "smollm2").render(

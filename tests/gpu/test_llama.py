@@ -1,0 +1,118 @@
+"""LlamaForCausalLM on a real GPU, against HF ``transformers``' own class: a small
+random configuration, and SmolLM2-135M-Instruct's GGUF file as setup installs it
+(``python -m dpu_frontend.text.smollm2``; on the GPU machine with ``--prefix`` and
+``DPU_FRONTEND_SMOLLM2_PREFIX``). Each test prints what it measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.model.gguf_checkpoint import load_config
+from dpu_frontend.text.chat_template import ChatTemplate
+from dpu_frontend.text.tokenizer import Vocabulary
+from tests.assets import smollm2_gguf, smollm2_tokenizer
+from tests.gpu.test_model import TIE_MARGIN, engine, greedy, hf_forward, prompts
+
+pytestmark = pytest.mark.gpu
+
+#: SmolLM2-135M's shapes, 4 layers: GQA 3:1 at a head size of 64, a tied head.
+SMALL_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "vocab_size": 49152, "tie_word_embeddings": True,
+    "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def hf_llama(config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config_dict.items()
+                                            if k not in ("architectures", "model_type")})
+    hf_config._attn_implementation = "eager"
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(hf_config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def greedy_transformers(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = hf_forward(model, torch.tensor([prompt], device="cuda"), None)
+    tokens, margins = [], []
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        tokens.append(int(torch.argmax(logits)))
+        out = hf_forward(model, torch.tensor([[tokens[-1]]], device="cuda"), out.past_key_values)
+    return tokens, margins
+
+
+def same_greedy(ours: list[list[int]], model: Any, ps: list[list[int]], n: int) -> int:
+    """Each of ``ours`` against transformers' greedy tokens; a divergence is excused only
+    by a float32 tie. The count of identical sequences."""
+    identical = 0
+    for i, prompt in enumerate(ps):
+        theirs, margins = greedy_transformers(model, prompt, n)
+        diverge = next((j for j in range(n) if ours[i][j] != theirs[j]), None)
+        if diverge is None:
+            identical += 1
+            continue
+        print(f"prompt {i}: diverges at token {diverge}, top-2 margin {margins[diverge]:.3g}")
+        assert margins[diverge] < TIE_MARGIN, (i, diverge, margins[diverge])
+    return identical
+
+
+def test_a_small_random_llama_is_transformers_in_float32() -> None:
+    config = ModelConfig.from_dict(SMALL_LLAMA, "small llama")
+    eng = engine("float32", num_blocks=512, config=config)
+    ps = [[t % 49152 for t in p] for p in prompts(16, 20261128)]
+    ours = [r.tokens for r in eng.generate(ps, [greedy(64)] * len(ps))]
+    model = hf_llama(SMALL_LLAMA, eng.runner.state_dict())
+    identical = same_greedy(ours, model, ps, 64)
+    print(f"small random Llama (SmolLM2's shapes, 4 layers), float32, 16 prompts x 64 tokens "
+          f"batched: {identical} identical, {16 - identical} excused by a tie")
+    del model, eng
+    torch.cuda.empty_cache()
+
+
+QUESTIONS = ["What is the capital of France?", "What is 2 + 3?",
+             "Name the largest planet in the solar system.", "Who wrote Romeo and Juliet?"]
+
+
+def test_smollm2_answers_as_transformers_does() -> None:
+    path = smollm2_gguf()
+    vocab = Vocabulary.load(smollm2_tokenizer())
+    assert vocab.chat_template is not None
+    template = ChatTemplate(vocab.chat_template, vocab.special_tokens, "smollm2")
+    ps = [vocab.encode(template.render([{"role": "user", "content": q}]),
+                       add_special_tokens=True) for q in QUESTIONS]
+    config = load_config(path)
+    eng = engine("float32", num_blocks=512, weights=path, config=config)
+    answers = eng.generate(ps, [greedy(24)] * len(ps))
+    ours = [r.tokens for r in answers]
+    model = hf_llama(config_dict(config), eng.runner.state_dict())
+    identical = same_greedy(ours, model, ps, 24)
+    texts = [vocab.decode(t) for t in ours]
+    for q, text in zip(QUESTIONS, texts, strict=True):
+        print(f"{q!r} -> {text!r}")
+    assert "Paris" in texts[0] and "5" in texts[1]
+    print(f"SmolLM2-135M-Instruct (GGUF, Q4_1), float32, greedy: {identical} of "
+          f"{len(ps)} answers token for token transformers'")
+    del model, eng
+    torch.cuda.empty_cache()
+
+
+def config_dict(config: ModelConfig) -> dict[str, Any]:
+    return {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "max_position_embeddings": config.max_position, "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta, "vocab_size": config.vocab_size,
+            "tie_word_embeddings": config.tie_word_embeddings}
