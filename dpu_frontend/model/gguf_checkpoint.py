@@ -15,6 +15,10 @@ block formats Q8_0, Q4_0 and Q4_1) to float32 with the arithmetic of llama.cpp's
 reference (``gguf.quants``, which the tests hold it to, bit for bit, on every tensor of
 SmolLM2-135M's file too).
 
+``load_config`` and ``GgufCheckpoint`` are what ``model-peer --weights FILE.gguf``
+uses: the ``ModelConfig`` of the header, and the tensors checked against its weight
+table and handed to ``weights.Params.load`` as a safetensors checkpoint's are.
+
 No torch: CI checks the mapping on files it writes; the model peer moves the float32
 arrays to the GPU in its dtype, a tensor at a time.
 """
