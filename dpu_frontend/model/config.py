@@ -18,6 +18,7 @@ from typing import Any
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
+from dpu_frontend.model.models.base import rope_settings
 
 #: Qwen3-0.6B's config.json, the fields this engine reads.
 QWEN3_0_6B: dict[str, Any] = {
@@ -140,7 +141,7 @@ class ModelConfig:
         dtype = d.get("torch_dtype", d.get("dtype", "bfloat16"))
         if dtype not in _DTYPES:
             raise ValueError(f"torch_dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-        eps, theta = float(d.get("rms_norm_eps", 1e-6)), float(d.get("rope_theta", 10000.0))
+        eps, theta = float(d.get("rms_norm_eps", 1e-6)), rope_settings(d).theta
         if not 0 < eps < 1 or not theta > 1:
             raise ValueError(f"rms_norm_eps {eps} or rope_theta {theta} out of range")
         vocab = _positive(d, "vocab_size")

@@ -95,6 +95,28 @@ def test_a_llama_config_needing_what_is_not_built_is_refused(change: dict[str, A
         ModelConfig.from_dict(LLAMA_3_8B | change, "cfg")
 
 
+def test_transformers_5s_rope_parameters_are_read() -> None:
+    """transformers 5 writes RoPE as ``rope_parameters`` and leaves ``rope_theta`` out:
+    the base is read from there (not defaulted to 10,000), and its type refused as
+    ``rope_scaling``'s is."""
+    qwen = {k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "rope_scaling")}
+    written = qwen | {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+    assert ModelConfig.from_dict(written, "cfg").rope_theta == 1e6
+    llama = {k: v for k, v in LLAMA_3_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    scaled = llama | {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3",
+                                          "factor": 8.0}}
+    with pytest.raises(StartupError, match=r"rope_parameters = .*llama3.* is not implemented"):
+        ModelConfig.from_dict(scaled, "cfg")
+    partial = llama | {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                                           "partial_rotary_factor": 0.75}}
+    with pytest.raises(StartupError, match=r"partial_rotary_factor = 0\.75"):
+        ModelConfig.from_dict(partial, "cfg")
+    with pytest.raises(StartupError, match="rope_parameters = 5 is not an object"):
+        ModelConfig.from_dict(llama | {"rope_parameters": 5}, "cfg")
+    # Without either, the base is HF's default.
+    assert ModelConfig.from_dict(llama, "cfg").rope_theta == 10000.0
+
+
 def test_missing_field_and_bad_file(tmp_path: Path) -> None:
     data = {k: v for k, v in QWEN3_0_6B.items() if k != "vocab_size"}
     with pytest.raises(StartupError, match="missing field 'vocab_size'"):

@@ -138,6 +138,39 @@ def decoder_weights(*, qk_norm: bool) -> WeightTable:
 
 
 @dataclass(frozen=True, slots=True)
+class Rope:
+    """A config's RoPE, from either of transformers' layouts (``rope_settings``)."""
+
+    theta: float
+    #: The scaling type; None for plain RoPE (no entry, or transformers 5's "default").
+    kind: str | None
+    #: The share of a head's dimensions rotated (Phi's), where a config says.
+    partial: float | None
+    #: The key that said so, for the messages.
+    key: str
+
+
+def rope_settings(d: dict[str, Any]) -> Rope:
+    """A config.json's RoPE: transformers 5 writes ``rope_parameters`` (``rope_theta``,
+    ``rope_type``, the scaling's fields) and no top-level ``rope_theta``; earlier
+    versions, ``rope_theta`` and ``rope_scaling`` (null for plain RoPE). ValueError for
+    an entry that is not an object."""
+    params = d.get("rope_parameters")
+    if params is not None:
+        key, scaling, theta = "rope_parameters", params, None
+    else:
+        key, scaling, theta = "rope_scaling", d.get("rope_scaling"), d.get("rope_theta")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"{key} = {scaling!r} is not an object")
+    scaling = scaling or {}
+    theta = scaling.get("rope_theta", theta)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    return Rope(10000.0 if theta is None else float(theta),
+                None if kind in (None, "default") else str(kind), partial, key)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """An architecture as the engine serves it: config.json's ``model_type``, the
     decoder class (``module:Class`` in ``dpu_frontend.model.models``, imported only
@@ -164,12 +197,13 @@ class ModelSpec:
         if model_type != self.model_type:
             raise ValueError(f"model_type {model_type!r} does not match the architecture's "
                              f"({self.model_type!r})")
-        scaling = d.get("rope_scaling")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-            if kind not in self.rope_scaling:
-                raise ValueError(f"rope_scaling = {scaling!r} is not implemented by this engine "
-                                 f"for {self.model_type}")
+        rope = rope_settings(d)
+        if rope.kind is not None and rope.kind not in self.rope_scaling:
+            raise ValueError(f"{rope.key} = {d[rope.key]!r} is not implemented by this engine "
+                             f"for {self.model_type}")
+        if rope.partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor = {rope.partial!r} is not implemented by "
+                             "this engine (RoPE over every dimension of a head only)")
         for key, refused in (("attention_bias", False), ("mlp_bias", False),
                              ("use_sliding_window", False)):
             if d.get(key, refused) != refused:
