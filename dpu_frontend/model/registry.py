@@ -18,6 +18,10 @@ MODELS: dict[str, ModelSpec] = {
     # Llama 2 and 3 (plain RoPE; 3.1's llama3 scaling is refused), SmolLM2, and the
     # Mistral-style configs that need nothing more.
     "LlamaForCausalLM": ModelSpec("llama", "llama:Llama", decoder_weights(qk_norm=False)),
+    # Phi-4 (and Phi-3 where a config needs no window, long RoPE or partial rotation): the
+    # Llama decoder over fused qkv_proj and gate_up_proj tensors.
+    "Phi3ForCausalLM": ModelSpec("phi3", "llama:Llama",
+                                 decoder_weights(qk_norm=False, fused=True)),
 }
 
 

@@ -1,5 +1,6 @@
-"""LlamaForCausalLM on a real GPU, against HF ``transformers``' own class: a small
-random configuration, and SmolLM2-135M-Instruct's GGUF file as setup installs it
+"""LlamaForCausalLM and Phi3ForCausalLM on a real GPU, against HF ``transformers``' own
+classes: small random configurations, and SmolLM2-135M-Instruct's GGUF file as setup
+installs it
 (``python -m dpu_frontend.text.smollm2``; on the GPU machine with ``--prefix`` and
 ``DPU_FRONTEND_SMOLLM2_PREFIX``). Each test prints what it measured."""
 
@@ -30,12 +31,24 @@ SMALL_LLAMA: dict[str, Any] = {
 }
 
 
+#: Phi-4's layout (fused qkv_proj and gate_up_proj, an untied head) at small shapes.
+SMALL_PHI3: dict[str, Any] = SMALL_LLAMA | {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 640,
+    "num_attention_heads": 5, "num_key_value_heads": 1, "tie_word_embeddings": False,
+    "rope_theta": 250000.0, "sliding_window": None, "pad_token_id": 0,
+}
+
+
 def hf_llama(config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
-    hf_config = transformers.LlamaConfig(**{k: v for k, v in config_dict.items()
-                                            if k not in ("architectures", "model_type")})
+    phi3 = config_dict.get("model_type") == "phi3"
+    # transformers' classes, untyped here: the config and model classes go in pairs.
+    config_class: Any = transformers.Phi3Config if phi3 else transformers.LlamaConfig
+    model_class: Any = transformers.Phi3ForCausalLM if phi3 else transformers.LlamaForCausalLM
+    hf_config = config_class(**{k: v for k, v in config_dict.items()
+                                if k not in ("architectures", "model_type")})
     hf_config._attn_implementation = "eager"
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(hf_config).to(torch.float32)
+        model = model_class(hf_config).to(torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
@@ -69,14 +82,15 @@ def same_greedy(ours: list[list[int]], model: Any, ps: list[list[int]], n: int) 
     return identical
 
 
-def test_a_small_random_llama_is_transformers_in_float32() -> None:
-    config = ModelConfig.from_dict(SMALL_LLAMA, "small llama")
+@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3], ids=["llama", "phi3"])
+def test_a_small_random_model_is_transformers_in_float32(config_dict: dict[str, Any]) -> None:
+    config = ModelConfig.from_dict(config_dict, "small")
     eng = engine("float32", num_blocks=512, config=config)
     ps = [[t % 49152 for t in p] for p in prompts(16, 20261128)]
     ours = [r.tokens for r in eng.generate(ps, [greedy(64)] * len(ps))]
-    model = hf_llama(SMALL_LLAMA, eng.runner.state_dict())
+    model = hf_llama(config_dict, eng.runner.state_dict())
     identical = same_greedy(ours, model, ps, 64)
-    print(f"small random Llama (SmolLM2's shapes, 4 layers), float32, 16 prompts x 64 tokens "
+    print(f"small random {config.architecture} (4 layers), float32, 16 prompts x 64 tokens "
           f"batched: {identical} identical, {16 - identical} excused by a tie")
     del model, eng
     torch.cuda.empty_cache()

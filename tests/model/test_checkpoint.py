@@ -52,6 +52,30 @@ def test_a_checkpoint_in_hf_naming_loads(tmp_path: Path) -> None:
         assert values.shape == (16,) and np.all(np.isfinite(values))
 
 
+TINY_PHI3 = ModelConfig.from_dict({
+    "architectures": ["Phi3ForCausalLM"], "vocab_size": 50, "hidden_size": 16,
+    "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 256,
+    "eos_token_id": 1,
+}, "tiny phi3")
+
+
+def test_a_phi3_checkpoint_has_fused_projections(tmp_path: Path) -> None:
+    """Phi-3's qkv_proj and gate_up_proj, one tensor each, are the engine's packed
+    parameters as they are; Llama's separate names do not stand in for them."""
+    data = tensors(TINY_PHI3)
+    assert data["model.layers.1.self_attn.qkv_proj.weight"][1] == (64 * 2 + 64 * 2, 16)
+    assert data["model.layers.1.mlp.gate_up_proj.weight"][1] == (64, 16)
+    checkpoint.write(tmp_path / "model.safetensors", data)
+    with Checkpoint.scan(tmp_path, TINY_PHI3) as ckpt:
+        assert set(ckpt.tensors) == set(data)
+    other = tmp_path / "llama-named"
+    other.mkdir()
+    checkpoint.write(other / "model.safetensors", tensors(TINY))
+    with pytest.raises(StartupError, match="tensors this Phi3ForCausalLM config does not have"):
+        Checkpoint.scan(other, TINY_PHI3)
+
+
 def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
     data = tensors(TINY)
     names = sorted(data)

@@ -10,6 +10,7 @@ import pytest
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
+from dpu_frontend.model.checkpoint import expected_shapes
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
 
 
@@ -93,6 +94,41 @@ def test_a_llama_config_needing_what_is_not_built_is_refused(change: dict[str, A
                                                               message: str) -> None:
     with pytest.raises(StartupError, match=message):
         ModelConfig.from_dict(LLAMA_3_8B | change, "cfg")
+
+
+#: microsoft/phi-4's config.json (the fields the engine reads, as published).
+PHI_4: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 5120,
+    "intermediate_size": 17920, "num_hidden_layers": 40, "num_attention_heads": 40,
+    "num_key_value_heads": 10, "max_position_embeddings": 16384,
+    "original_max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 250000,
+    "rope_scaling": None, "sliding_window": None, "vocab_size": 100352,
+    "tie_word_embeddings": False, "bos_token_id": 100257, "eos_token_id": 100265,
+    "pad_token_id": 100349, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+def test_phi_4_is_served_with_its_fused_projections() -> None:
+    c = ModelConfig.from_dict(PHI_4, "phi-4")
+    assert (c.architecture, c.qk_norm, c.head_dim, c.group_size) == (
+        "Phi3ForCausalLM", False, 128, 4)
+    assert c.parameter_count() == 14_659_507_200  # Microsoft's 14.7B
+    names = expected_shapes(c)
+    assert names["model.layers.0.self_attn.qkv_proj.weight"] == (5120 + 2 * 1280, 5120)
+    assert names["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 17920, 5120)
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"sliding_window": 2047}, "sliding_window = 2047"),  # Phi-3-mini-4k's
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}},
+     "rope_scaling"),  # Phi-3.5's and Phi-4-mini's
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # Phi-4-mini's
+])
+def test_a_phi3_config_needing_what_is_not_built_is_refused(change: dict[str, Any],
+                                                            message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        ModelConfig.from_dict(PHI_4 | change, "cfg")
 
 
 def test_transformers_5s_rope_parameters_are_read() -> None:

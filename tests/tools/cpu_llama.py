@@ -5,6 +5,12 @@ file itself (its own dequantization and permutation):
 
     TRITON_INTERPRET=1 python -m tests.tools.cpu_llama "What is the capital of France?" 8
 
+or, with ``--random phi3`` (or ``llama``), a two-layer model of random weights written as
+an HF checkpoint (safetensors, bf16 values) through ``Checkpoint``, ``Params.load`` and
+the decoder, beside transformers' own class on the same weights, every position's logits:
+
+    TRITON_INTERPRET=1 python -m tests.tools.cpu_llama --random phi3
+
 It needs PyTorch (a CPU build), Triton and ``accelerate`` (transformers' GGUF loader)
 beside the test tools. A forward of the whole sequence a token: about two minutes a
 token on a development machine. docs/gpu.md ("Issue 25, first steps") has what it gave.
@@ -14,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from dpu_frontend.model import registry
+from dpu_frontend.model import checkpoint, registry
+from dpu_frontend.model.checkpoint import Checkpoint
+from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint, load_config
 from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
 from dpu_frontend.model.models.llama import Llama
@@ -50,13 +60,81 @@ def prefill(model: Llama, ids: list[int]) -> Any:
     return model.logits(hidden[-1:])[0]
 
 
+#: The random models: two layers, GQA 2:1 at a head size of 64.
+RANDOM: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+             "rope_theta": 250000.0, "tie_word_embeddings": False, "sliding_window": None},
+}
+SHAPES = {"hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
+          "rms_norm_eps": 1e-5, "vocab_size": 50, "pad_token_id": 0, "bos_token_id": 1,
+          "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def random_model(kind: str) -> None:
+    config_dict = RANDOM[kind] | SHAPES
+    hf_args = {k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")}
+    classes: dict[str, tuple[Any, Any]] = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
+    config_class, model_class = classes[kind]
+    hf_config = config_class(**hf_args)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference: Any = model_class(hf_config)
+    reference.eval()
+    state: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            # bf16 values, stored as bf16: Params.load copies them (it would keep a float32
+            # tensor of the CPU's mapped file, which the checkpoint then cannot unmap).
+            p.copy_((torch.randn_like(p) * 0.2).bfloat16().float())
+            state[name] = p.detach().numpy()
+    config = ModelConfig.from_dict(config_dict, kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.write(Path(tmp) / "model.safetensors", {
+            name: ("BF16", array.shape, (array.view("<u4") >> 16).astype("<u2").tobytes())
+            for name, array in state.items()
+            if not (config.tie_word_embeddings and name == "lm_head.weight")})
+        with Checkpoint.scan(Path(tmp), config) as source:
+            params = Params.load(registry.spec(config.architecture).weights, source, config,
+                                 torch.float32, torch.device("cpu"))
+    shape = (config.num_layers, 2, config.num_kv_heads, PAGE, config.head_dim)
+    model = registry.decoder_class(config.architecture)(
+        config, params, KvCache(torch.zeros(shape), torch.zeros(shape)), 256)
+    ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    t = len(ids)
+    rows = ATTN_ROWS // config.group_size
+    attn = Attention(positions=torch.arange(t), cache_slots=torch.arange(t),
+                     tables=torch.arange(2, dtype=torch.int32)[None],
+                     tile_seq=torch.zeros(-(-t // rows), dtype=torch.int32),
+                     tile_row=torch.arange(0, t, rows, dtype=torch.int32),
+                     q_start=torch.tensor([0], dtype=torch.int32),
+                     q_len=torch.tensor([t], dtype=torch.int32),
+                     ctx_start=torch.tensor([0], dtype=torch.int32))
+    ours = model.logits(model.forward(ids, attn))
+    with torch.no_grad():
+        theirs = reference(ids[None]).logits[0].float()
+    same = bool((ours.argmax(-1) == theirs.argmax(-1)).all())
+    print(f"{config.architecture}: max |logit difference| over {t} positions "
+          f"{float((ours - theirs).abs().max()):.2e} (logits up to "
+          f"{float(theirs.abs().max()):.1f}); the same argmax everywhere: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("question")
-    parser.add_argument("tokens", type=int)
+    parser.add_argument("question", nargs="?", default="What is the capital of France?")
+    parser.add_argument("tokens", type=int, nargs="?", default=8)
+    parser.add_argument("--random", choices=sorted(RANDOM),
+                        help="a random two-layer model of this architecture instead")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1: the kernels run in Triton's interpreter")
+    if args.random:
+        random_model(args.random)
+        return
     path = smollm2.gguf_path()
     config = load_config(path)
     with GgufCheckpoint.scan(path, config) as checkpoint:

@@ -104,9 +104,11 @@ class WeightTable:
         return shapes
 
 
-def decoder_weights(*, qk_norm: bool) -> WeightTable:
+def decoder_weights(*, qk_norm: bool, fused: bool = False) -> WeightTable:
     """The weights of a Llama-family decoder in HF's naming (pre-norm, GQA attention,
-    gated MLP), ``qk_norm`` adding a per-head RMSNorm of q and k (Qwen3)."""
+    gated MLP), ``qk_norm`` adding a per-head RMSNorm of q and k (Qwen3); ``fused``: the
+    checkpoint holds q, k and v as one ``qkv_proj`` and gate and up as one
+    ``gate_up_proj`` (Phi-3's, in the engine's own packing order)."""
 
     def hidden(c: ModelConfig) -> tuple[int, ...]:
         return (c.hidden_size,)
@@ -116,17 +118,22 @@ def decoder_weights(*, qk_norm: bool) -> WeightTable:
 
     norms = (Param("q_norm", (Part("self_attn.q_norm.weight", head_dim),), "norm"),
              Param("k_norm", (Part("self_attn.k_norm.weight", head_dim),), "norm"))
+    qkv = ((Part("self_attn.qkv_proj.weight",
+                 lambda c: (c.q_size + 2 * c.kv_size, c.hidden_size)),) if fused else
+           (Part("self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size)),
+            Part("self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size)),
+            Part("self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size))))
+    gate_up = ((Part("mlp.gate_up_proj.weight",
+                     lambda c: (2 * c.intermediate_size, c.hidden_size)),) if fused else
+               (Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+                Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size))))
     layer = (
         Param("input_norm", (Part("input_layernorm.weight", hidden),), "norm"),
-        Param("qkv", (Part("self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size)),
-                      Part("self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size)),
-                      Part("self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size)))),
+        Param("qkv", qkv),
         *(norms if qk_norm else ()),
         Param("o_proj", (Part("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),)),
         Param("post_norm", (Part("post_attention_layernorm.weight", hidden),), "norm"),
-        Param("gate_up", (
-            Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-            Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)))),
+        Param("gate_up", gate_up),
         Param("down", (Part("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),)),
     )
     top = (
