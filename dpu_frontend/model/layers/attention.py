@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.linear import precision
-from dpu_frontend.model.layers.quant import FP8
+from dpu_frontend.model.layers.quant import cache_scales
 
 #: Rows (tokens x query heads of a KV group) per attention program: 16, so that a
 #: decode tile (one token: the group's 2 heads) wastes little of its MMA. Prompt and
@@ -193,28 +193,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, hq, dim = q.shape
     _, hkv, page, _ = k_cache.shape
     group = hq // hkv
-    fp8 = k_cache.dtype == FP8
     if v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have one dtype and one layout")
-    if (k_scale is None) != (v_scale is None) or fp8 != (k_scale is not None) or (
-            k_scale is not None and v_scale is not None and (
-                k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_scale.shape
-                or k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1
-                or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32)):
-        raise ValueError("an FP8 cache, and only one, comes with float32 K and V scales of "
-                         "[blocks, kv heads, page], one layout for both")
+    scales = cache_scales(k_cache, k_scale, v_scale)
     if tile_seq.shape[0] == 0:
         return
     part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)
     # The scales' pointers, unused for a cache of the model dtype: any tensor.
-    ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (part, part)
+    ks, vs = scales or (part, part)
     _paged_attention_kernel[(tile_seq.shape[0], hkv, splits)](
         q, k_cache, v_cache, ks, vs, part, tables, tile_seq, tile_row, q_start, q_len,
         ctx_start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), ks.stride(0), ks.stride(1), part.stride(0), part.stride(1),
         tables.stride(0), dim ** -0.5,
         GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
-        SPLITS=splits, CHUNK_PAGES=chunk_pages, FP8_KV=fp8,
+        SPLITS=splits, CHUNK_PAGES=chunk_pages, FP8_KV=scales is not None,
         num_warps=warps or ATTN_WARPS, num_stages=stages or ATTN_STAGES,
     )
     _merge_splits_kernel[(t, hq)](

@@ -64,6 +64,24 @@ class Fp8Rows(NamedTuple):
 Weight = torch.Tensor | Fp8Weight
 
 
+def cache_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The K and V scales of a paged cache [blocks, Hkv, PAGE, D]: checked for an FP8
+    cache, None for a cache of the model dtype. ValueError unless an FP8 cache, and only
+    one, comes with float32 scales of [blocks, Hkv, PAGE], one layout for K and V (what
+    ``qk_norm_rope`` writes and ``paged_attention`` reads)."""
+    fp8 = k_cache.dtype == FP8
+    if k_scale is None and v_scale is None and not fp8:
+        return None
+    if (not fp8 or k_scale is None or v_scale is None or k_scale.shape != k_cache.shape[:3]
+            or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()
+            or k_scale.stride(-1) != 1 or k_scale.dtype != torch.float32
+            or v_scale.dtype != torch.float32):
+        raise ValueError("an FP8 cache, and only one, comes with float32 K and V scales of "
+                         "[blocks, kv heads, page], one layout for both")
+    return k_scale, v_scale
+
+
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """``weight`` [N, K] in e4m3 with a scale per output channel (torch, at load)."""
     w = weight.float()

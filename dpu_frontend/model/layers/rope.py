@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
-from dpu_frontend.model.layers.quant import FP8, fp8_scale, to_fp8
+from dpu_frontend.model.layers.quant import FP8, cache_scales, fp8_scale, to_fp8
 
 
 @triton.jit
@@ -163,16 +163,11 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         raise ValueError(f"qkv of {tuple(qkv.shape)} for {heads} + 2 x {kv_heads} heads of {dim}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have one shape and one layout")
-    fp8 = k_cache.dtype == FP8
     if k_cache.dtype not in (qkv.dtype, FP8) or k_cache.stride(-1) != 1:
         raise ValueError("the caches must hold qkv's dtype or FP8, in rows of unit stride")
-    if fp8 and (k_scale is None or v_scale is None or k_scale.shape != k_cache.shape[:3]
-                or v_scale.stride() != k_scale.stride() or k_scale.stride(-1) != 1
-                or k_scale.dtype != torch.float32 or v_scale.shape != k_scale.shape):
-        raise ValueError("FP8 caches need float32 scales of [blocks, kv heads, page], one "
-                         "layout for K and V")
-    k_scales = k_scale if fp8 and k_scale is not None else k_cache
-    v_scales = v_scale if fp8 and v_scale is not None else v_cache
+    scales = cache_scales(k_cache, k_scale, v_scale)
+    # The scales' pointers, unused for a cache of the model dtype: any tensor.
+    k_scales, v_scales = scales or (k_cache, v_cache)
     if dim & (dim - 1):
         raise ValueError(f"a head size of {dim}: the kernel takes powers of two")
     if (q_norm is None) != (k_norm is None):
@@ -186,7 +181,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         v_cache, k_scales, v_scales, cache_slots, eps, dim, qkv.stride(0), q.stride(0),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scales.stride(0), k_scales.stride(1), HQ=heads, HKV=kv_heads, HEAD_DIM=dim,
-        PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=fp8, num_warps=NORM_WARPS)
+        PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=scales is not None, num_warps=NORM_WARPS)
     return q
 
 
