@@ -6,7 +6,6 @@ unfused ones, and the engine in FP8 stays within stated bounds of bf16 (docs/gpu
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from dpu_frontend.model.layers.rope import RotaryTable, qk_norm_rope
 from dpu_frontend.model.options import EngineOptions, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.ring.records import SamplingParams
-from tests.gpu.test_model import full_logits
+from tests.gpu.test_model import full_logits, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -200,12 +199,6 @@ def fp8_engine(quantization: str, kv: str, *, num_blocks: int = 4096) -> ModelEn
                                                max_model_len=4096))
     runner.load()
     return ModelEngine(config, runner, EngineOptions())
-
-
-def prompts(n: int, seed: int, low: int = 8, high: int = 200) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 150000) for _ in range(rng.randrange(low, high))]
-            for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from dpu_frontend.text import gguf_tokenizer
 from dpu_frontend.text.token_bytes import byte_level_alphabet
 from dpu_frontend.text.tokenizer import Vocabulary
 
+#: transformers' GGUF tokenizer conversion (untyped; it needs no torch).
 CONVERSION: Any = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
 BYTES = list(byte_level_alphabet())
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ in", "e r"]
@@ -48,10 +49,14 @@ def write(path: Path, **change: Any) -> None:
 
 
 def transformers_tokenizer(metadata: dict[str, Any]) -> Any:
+    """What ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds from this metadata
+    (its reader needs torch; the metadata here is ours, the conversion theirs)."""
     renames: dict[str, str] = CONVERSION.GGUF_TOKENIZER_MAPPING["tokenizer"]
     tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
                       if f"tokenizer.{key}" in metadata}
-    return CONVERSION.convert_gguf_tokenizer("llama", tokenizer_dict)[0]
+    backend, _ = CONVERSION.convert_gguf_tokenizer(metadata["general.architecture"],
+                                                   tokenizer_dict)
+    return backend
 
 
 def test_a_small_vocabulary_encodes_as_transformers_conversion(tmp_path: Path) -> None:

@@ -5,11 +5,9 @@ conversion does, served by the daemon's ``Vocabulary`` with its chat template.""
 
 from __future__ import annotations
 
-import importlib
 import re
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -22,9 +20,7 @@ from dpu_frontend.text import gguf_tokenizer, smollm2
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import smollm2_gguf, smollm2_tokenizer
-
-#: transformers' GGUF tokenizer conversion (untyped; it needs no torch).
-CONVERSION: Any = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+from tests.model.test_gguf_tokenizer import transformers_tokenizer
 
 #: Prompts of every kind the issue names: ASCII, CJK, emoji, runs of whitespace, and the
 #: chat template's special tokens.
@@ -37,17 +33,6 @@ CORPUS = [
     "\u00a0non-breaking\u200bzero-width\u2028line separator", "Ġthe ĠĠ spelled bytes",
     "", " ", "don't won't we'll I'M",
 ]
-
-
-def transformers_tokenizer(metadata: dict[str, Any]) -> Any:
-    """What ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds from this metadata
-    (its reader needs torch; the metadata here is ours, the conversion theirs)."""
-    renames: dict[str, str] = CONVERSION.GGUF_TOKENIZER_MAPPING["tokenizer"]
-    tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
-                      if f"tokenizer.{key}" in metadata}
-    backend, _ = CONVERSION.convert_gguf_tokenizer(metadata["general.architecture"],
-                                                   tokenizer_dict)
-    return backend
 
 
 def test_every_tensor_dequantizes_as_llama_cpp_does() -> None:

@@ -33,6 +33,7 @@ from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint, load_config
 from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
+from dpu_frontend.model.models.base import Decoder
 from dpu_frontend.model.models.llama import Llama
 from dpu_frontend.model.weights import Params
 from dpu_frontend.text import smollm2
@@ -42,8 +43,8 @@ from dpu_frontend.text.tokenizer import Vocabulary
 PAGE = 32
 
 
-def prefill(model: Llama, ids: list[int]) -> Any:
-    """The last position's float32 logits after one prefill of ``ids``."""
+def prefill(model: Decoder, ids: list[int] | Any) -> Any:
+    """Every position's float32 logits after one prefill of ``ids`` from position 0."""
     t = len(ids)
     pages = -(-t // PAGE)
     rows = ATTN_ROWS // model.config.group_size
@@ -56,8 +57,7 @@ def prefill(model: Llama, ids: list[int]) -> Any:
                      tile_seq=torch.zeros(-(-t // rows), dtype=torch.int32),
                      tile_row=torch.arange(0, t, rows, dtype=torch.int32),
                      q_start=i32([0]), q_len=i32([t]), ctx_start=i32([0]))
-    hidden = model.forward(torch.tensor(ids), attn)
-    return model.logits(hidden[-1:])[0]
+    return model.logits(model.forward(torch.as_tensor(ids), attn))
 
 
 #: The random models: two layers, GQA 2:1 at a head size of 64.
@@ -106,15 +106,7 @@ def random_model(kind: str) -> None:
         config, params, KvCache(torch.zeros(shape), torch.zeros(shape)), 256)
     ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     t = len(ids)
-    rows = ATTN_ROWS // config.group_size
-    attn = Attention(positions=torch.arange(t), cache_slots=torch.arange(t),
-                     tables=torch.arange(2, dtype=torch.int32)[None],
-                     tile_seq=torch.zeros(-(-t // rows), dtype=torch.int32),
-                     tile_row=torch.arange(0, t, rows, dtype=torch.int32),
-                     q_start=torch.tensor([0], dtype=torch.int32),
-                     q_len=torch.tensor([t], dtype=torch.int32),
-                     ctx_start=torch.tensor([0], dtype=torch.int32))
-    ours = model.logits(model.forward(ids, attn))
+    ours = prefill(model, ids)
     with torch.no_grad():
         theirs = reference(ids[None]).logits[0].float()
     same = bool((ours.argmax(-1) == theirs.argmax(-1)).all())
@@ -155,7 +147,7 @@ def main() -> None:
     for step in range(args.tokens):
         model = Llama(config, params, KvCache(torch.zeros(shape), torch.zeros(shape)),
                       config.max_position)
-        mine = prefill(model, ours)
+        mine = prefill(model, ours)[-1]
         with torch.no_grad():
             other = reference(torch.tensor([theirs])).logits[0, -1].float()
         worst = max(worst, float((mine - other).abs().max()))
