@@ -104,7 +104,9 @@ def _paged_attention_kernel(
         r = tl.arange(0, ROWS)
         token = first + r // GROUP
         head = kv_head * GROUP + r % GROUP
-        valid = token < q_len
+        # A group that does not divide ROWS leaves rows past the tile's last token:
+        # they are the next tile's, whose keys this one may not hold.
+        valid = (token < q_len) & (r < (ROWS // GROUP) * GROUP)
         pos = ctx_start + token  # the query's position: it sees keys 0..pos
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
