@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -36,9 +37,9 @@ if os.environ.get("DPU_FRONTEND_REQUIRE_GPU") == "1" or all(
 
     from dpu_frontend.model.runner import ModelRunner
 else:
-    collect_ignore = ["test_linear.py", "test_fp8.py", "test_llama.py", "test_qk_norm_rope.py",
-                      "test_model.py", "test_model_serving.py", "test_record_writer.py",
-                      "test_gpu_scheduler.py", "test_gpu_region.py"]
+    collect_ignore = ["test_linear.py", "test_fp8.py", "test_llama.py", "test_llama_serving.py",
+                      "test_qk_norm_rope.py", "test_model.py", "test_model_serving.py",
+                      "test_record_writer.py", "test_gpu_scheduler.py", "test_gpu_region.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,6 +74,22 @@ def offline(request: pytest.FixtureRequest) -> Iterator[ModelEngine]:
     runner.load()
     yield ModelEngine(config, runner, EngineOptions())
     del runner
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference() -> Iterator[Any]:
+    """transformers' own reading of SmolLM2's GGUF file (``gguf_file=``, float32, on the
+    GPU): its dequantizers, its un-permutation of Q and K, its tied head."""
+    import transformers
+
+    from tests.assets import smollm2_gguf
+
+    path = smollm2_gguf()
+    model: Any = transformers.LlamaForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    yield model.to("cuda").eval()
+    del model
     torch.cuda.empty_cache()
 
 

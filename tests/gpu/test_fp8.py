@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import triton
+from openai import OpenAI
 
 from benchmarks.linear_tiles import Shape, shapes
 from dpu_frontend.model.config import ModelConfig
@@ -33,7 +34,10 @@ from dpu_frontend.model.layers.rope import RotaryTable, qk_norm_rope
 from dpu_frontend.model.options import EngineOptions, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.ring.records import SamplingParams
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
 from tests.gpu.test_model import full_logits, prompts
+from tests.stack import MODEL, running_stack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
@@ -267,3 +271,34 @@ def test_fp8_logits_stay_near_bf16(quantization: str, kv: str) -> None:
     mean_bound, agree_bound = LOGIT_BOUNDS[quantization, kv]
     assert np.mean(mean_err) < mean_bound * scale
     assert agree >= agree_bound * clear
+
+
+@pytest.mark.parametrize("scheduler", ["host", "gpu"])
+def test_fp8_through_the_daemon_is_the_engines(scheduler: str) -> None:
+    """``--quantization fp8 --kv-cache-dtype fp8`` behind the daemon, host loop and the
+    scheduler inside the GPU: greedy and seeded completions are the engine's own tokens
+    in the test process (batch-invariant FP8 kernels: the peer's batch is not the test's)."""
+    vocab = Vocabulary.load(default_tokenizer_dir())
+    config = ModelConfig.default()
+    runner = ModelRunner(config, RunnerOptions(
+        weight_seed=SEED, num_blocks=256, max_seqs=8, max_model_len=2048, quantization="fp8",
+        kv_cache_dtype="fp8", vocab_limit=vocab.tokenizer.get_vocab_size()))
+    runner.load()
+    texts = ["The ring buffer in GPU memory", "Once upon a time"]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)]
+    expected = [vocab.decode(r.tokens) for r in ModelEngine(config, runner, EngineOptions())
+                .generate([vocab.encode(t) for t in texts], params)]
+    del runner
+    torch.cuda.empty_cache()
+    peer = ("--max-seqs", "16", "--max-model-len", "2048", "--kv-blocks", "256", "--weight-seed",
+            str(SEED), "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--scheduler", scheduler)
+    with running_stack("shm", timeout=600, peer_command="model-peer", peer_args=peer) as stack, \
+            OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0) as c:
+        for text, p, want in zip(texts, params, expected, strict=True):
+            got = c.completions.create(model=MODEL, prompt=text, max_tokens=p.max_tokens,
+                                       temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                                       extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want, (text, got.choices[0].text, want)
+    print(f"FP8 weights and cache, --scheduler {scheduler}: greedy and seeded top-p "
+          "completions through the daemon = the engine's tokens")

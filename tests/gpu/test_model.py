@@ -133,10 +133,10 @@ def test_logprobs_match_transformers_log_softmax(fp32_engine: ModelEngine) -> No
     del model
 
 
-def test_bfloat16_teacher_forced_logits_match_transformers() -> None:
-    eng = engine("bfloat16", num_blocks=256)
-    seqs = prompts(4, SEED + 1, low=200, high=400)
-    model = hf_model(QWEN3_0_6B, eng.runner.state_dict(), torch.bfloat16)
+def bf16_logits_match(eng: ModelEngine, model: Any, seqs: list[list[int]], what: str) -> None:
+    """Teacher-forced bf16 logits of ``eng`` against transformers' ``model`` (bf16): the
+    mean |difference| under 0.05 of the logits' std and the largest under 0.5 of it,
+    and the same argmax wherever transformers' top two are clearly apart."""
     worst_abs, mean_abs, agree, clear, total = 0.0, [], 0, 0, 0
     for i, ids in enumerate(seqs):
         mine = full_logits(eng, ids, slot=i)
@@ -152,12 +152,18 @@ def test_bfloat16_teacher_forced_logits_match_transformers() -> None:
         clear += int(apart.sum())
         total += len(ids)
     scale = float(theirs.std())
-    print(f"bf16 teacher-forced logits over {total} positions: max |diff| {worst_abs:.3f}, "
-          f"mean |diff| {np.mean(mean_abs):.4f}, logit std {scale:.3f}; argmax agrees at "
-          f"{agree} of the {clear} positions whose top-2 margin exceeds {CLEAR_MARGIN}")
+    print(f"{what}: bf16 teacher-forced logits over {total} positions: max |diff| "
+          f"{worst_abs:.3f}, mean |diff| {np.mean(mean_abs):.4f}, logit std {scale:.3f}; argmax "
+          f"agrees at {agree} of the {clear} positions whose top-2 margin exceeds {CLEAR_MARGIN}")
     assert np.mean(mean_abs) < 0.05 * scale
     assert worst_abs < 0.5 * scale
     assert agree == clear
+
+
+def test_bfloat16_teacher_forced_logits_match_transformers() -> None:
+    eng = engine("bfloat16", num_blocks=256)
+    model = hf_model(QWEN3_0_6B, eng.runner.state_dict(), torch.bfloat16)
+    bf16_logits_match(eng, model, prompts(4, SEED + 1, low=200, high=400), "Qwen3-0.6B")
 
 
 def full_logits(eng: ModelEngine, ids: list[int], slot: int) -> torch.Tensor:
