@@ -18,7 +18,7 @@ from typing import Any
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
-from dpu_frontend.model.models.base import rope_settings
+from dpu_frontend.model.models.base import Llama3Scaling, rope_settings
 
 #: Qwen3-0.6B's config.json, the fields this engine reads.
 QWEN3_0_6B: dict[str, Any] = {
@@ -70,6 +70,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     #: A per-head RMSNorm of q and k before RoPE (the architecture's: Qwen3).
     qk_norm: bool
+    #: Llama 3.1's RoPE scaling, where the config asks for it (and the spec has it).
+    rope_scaling: Llama3Scaling | None = None
 
     @property
     def group_size(self) -> int:
@@ -141,7 +143,8 @@ class ModelConfig:
         dtype = d.get("torch_dtype", d.get("dtype", "bfloat16"))
         if dtype not in _DTYPES:
             raise ValueError(f"torch_dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-        eps, theta = float(d.get("rms_norm_eps", 1e-6)), rope_settings(d).theta
+        rope = rope_settings(d)
+        eps, theta = float(d.get("rms_norm_eps", 1e-6)), rope.theta
         if not 0 < eps < 1 or not theta > 1:
             raise ValueError(f"rms_norm_eps {eps} or rope_theta {theta} out of range")
         vocab = _positive(d, "vocab_size")
@@ -156,7 +159,7 @@ class ModelConfig:
             num_kv_heads=kv_heads, head_dim=head_dim,
             max_position=_positive(d, "max_position_embeddings"), rms_norm_eps=eps,
             rope_theta=theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            dtype=dtype, eos_token_ids=eos_ids, qk_norm=spec.qk_norm,
+            dtype=dtype, eos_token_ids=eos_ids, qk_norm=spec.qk_norm, rope_scaling=rope.llama3,
         )
 
 

@@ -15,9 +15,10 @@ from dpu_frontend.model.models.base import DecoderClass, ModelSpec, decoder_weig
 
 MODELS: dict[str, ModelSpec] = {
     "Qwen3ForCausalLM": ModelSpec("qwen3", "qwen3:Qwen3", decoder_weights(qk_norm=True)),
-    # Llama 2 and 3 (plain RoPE; 3.1's llama3 scaling is refused), SmolLM2, and the
-    # Mistral-style configs that need nothing more.
-    "LlamaForCausalLM": ModelSpec("llama", "llama:Llama", decoder_weights(qk_norm=False)),
+    # Llama 2, 3 and 3.1 (its llama3 RoPE scaling), SmolLM2, and the Mistral-style
+    # configs that need nothing more.
+    "LlamaForCausalLM": ModelSpec("llama", "llama:Llama", decoder_weights(qk_norm=False),
+                                  rope_scaling=("llama3",)),
     # Phi-4 (and Phi-3 where a config needs no window, long RoPE or partial rotation): the
     # Llama decoder over fused qkv_proj and gate_up_proj tensors.
     "Phi3ForCausalLM": ModelSpec("phi3", "llama:Llama",

@@ -38,6 +38,15 @@ SMALL_LLAMA: dict[str, Any] = {
 }
 
 
+#: Llama 3.1's RoPE scaling (its published fields) on the same shapes: at a head size of
+#: 64 and this base, frequencies fall in each of its three bands.
+SMALL_LLAMA31: dict[str, Any] = SMALL_LLAMA | {
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072}
+
+
 #: Phi-4's layout (fused qkv_proj and gate_up_proj, an untied head) at small shapes.
 SMALL_PHI3: dict[str, Any] = SMALL_LLAMA | {
     "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 640,
@@ -89,7 +98,8 @@ def same_greedy(ours: list[list[int]], model: Any, ps: list[list[int]], n: int) 
     return identical
 
 
-@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3], ids=["llama", "phi3"])
+@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_LLAMA31, SMALL_PHI3],
+                         ids=["llama", "llama3.1", "phi3"])
 def test_a_small_random_model_is_transformers_in_float32(config_dict: dict[str, Any]) -> None:
     config = ModelConfig.from_dict(config_dict, "small")
     eng = engine("float32", num_blocks=512, config=config)

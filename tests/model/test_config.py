@@ -12,6 +12,7 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
 from dpu_frontend.model.checkpoint import expected_shapes
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
+from dpu_frontend.model.models.base import Llama3Scaling
 
 
 def test_default_is_qwen3_0_6b() -> None:
@@ -82,10 +83,46 @@ def test_a_llama_config_is_served_without_q_and_k_norms() -> None:
     assert ModelConfig.from_dict(mistral, "mistral").num_kv_heads == 8
 
 
+#: Meta-Llama-3.1-8B-Instruct's RoPE (its config.json as published).
+LLAMA_31_ROPE: dict[str, Any] = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+LLAMA_3_1_8B: dict[str, Any] = LLAMA_3_8B | {
+    "max_position_embeddings": 131072, "rope_scaling": LLAMA_31_ROPE,
+    "eos_token_id": [128001, 128008, 128009]}
+
+
+def test_llama_3_1s_rope_scaling_is_read_from_either_layout() -> None:
+    c = ModelConfig.from_dict(LLAMA_3_1_8B, "llama-3.1-8b")
+    assert c.rope_scaling == Llama3Scaling(8.0, 1.0, 4.0, 8192)
+    assert (c.rope_theta, c.max_position, c.eos_token_ids) == (
+        500000.0, 131072, (128001, 128008, 128009))
+    assert c.parameter_count() == 8_030_261_248
+    # transformers 5's layout: the base inside rope_parameters.
+    v5 = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = LLAMA_31_ROPE | {"rope_theta": 500000.0}
+    assert ModelConfig.from_dict(v5, "cfg") == c
+    assert ModelConfig.from_dict(LLAMA_3_8B, "cfg").rope_scaling is None
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    ({"rope_type": "llama3", "factor": 8.0}, "the llama3 scaling needs 'low_freq_factor'"),
+    (LLAMA_31_ROPE | {"factor": 0.5}, "out of range"),
+    (LLAMA_31_ROPE | {"low_freq_factor": 4.0}, "out of range"),
+    (LLAMA_31_ROPE | {"original_max_position_embeddings": 0}, "out of range"),
+])
+def test_a_llama3_scaling_that_cannot_be_right_is_refused(rope: dict[str, Any],
+                                                           message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        ModelConfig.from_dict(LLAMA_3_8B | {"rope_scaling": rope}, "cfg")
+
+
+def test_only_llama_implements_the_llama3_scaling() -> None:
+    with pytest.raises(StartupError, match=r"rope_scaling = .*llama3.* is not implemented"):
+        ModelConfig.from_dict(QWEN3_0_6B | {"rope_scaling": LLAMA_31_ROPE}, "cfg")
+
+
 @pytest.mark.parametrize(("change", "message"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-     "rope_scaling"),  # Llama-3.1's, not implemented yet
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"sliding_window": 4096}, "sliding_window = 4096"),  # Mistral-7B v0.1's
     ({"mlp_bias": True}, "mlp_bias"),
     ({"model_type": "qwen3"}, "model_type 'qwen3' does not match"),
@@ -139,9 +176,9 @@ def test_transformers_5s_rope_parameters_are_read() -> None:
     written = qwen | {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
     assert ModelConfig.from_dict(written, "cfg").rope_theta == 1e6
     llama = {k: v for k, v in LLAMA_3_8B.items() if k not in ("rope_theta", "rope_scaling")}
-    scaled = llama | {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3",
-                                          "factor": 8.0}}
-    with pytest.raises(StartupError, match=r"rope_parameters = .*llama3.* is not implemented"):
+    scaled = llama | {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "yarn",
+                                          "factor": 4.0}}
+    with pytest.raises(StartupError, match=r"rope_parameters = .*yarn.* is not implemented"):
         ModelConfig.from_dict(scaled, "cfg")
     partial = llama | {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
                                            "partial_rotary_factor": 0.75}}

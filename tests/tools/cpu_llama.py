@@ -5,9 +5,10 @@ file itself (its own dequantization and permutation):
 
     TRITON_INTERPRET=1 python -m tests.tools.cpu_llama "What is the capital of France?" 8
 
-or, with ``--random phi3`` (or ``llama``), a two-layer model of random weights written as
-an HF checkpoint (safetensors, bf16 values) through ``Checkpoint``, ``Params.load`` and
-the decoder, beside transformers' own class on the same weights, every position's logits:
+or, with ``--random phi3`` (or ``llama``, ``llama3.1``), a two-layer model of random
+weights written as an HF checkpoint (safetensors, bf16 values) through ``Checkpoint``,
+``Params.load`` and the decoder, beside transformers' own class on the same weights,
+every position's logits:
 
     TRITON_INTERPRET=1 python -m tests.tools.cpu_llama --random phi3
 
@@ -64,6 +65,13 @@ def prefill(model: Decoder, ids: list[int] | Any) -> Any:
 RANDOM: dict[str, dict[str, Any]] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "rope_theta": 500000.0, "tie_word_embeddings": True},
+    # Llama 3.1's RoPE scaling: at a head size of 64 and this base, frequencies fall in
+    # each of its three bands (kept, interpolated, divided by the factor).
+    "llama3.1": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                 "rope_theta": 500000.0, "tie_word_embeddings": False,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 1024}},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
              "rope_theta": 250000.0, "tie_word_embeddings": False, "sliding_window": None},
 }
@@ -79,7 +87,7 @@ def random_model(kind: str) -> None:
     classes: dict[str, tuple[Any, Any]] = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
-    config_class, model_class = classes[kind]
+    config_class, model_class = classes[config_dict["model_type"]]
     hf_config = config_class(**hf_args)
     hf_config._attn_implementation = "eager"
     torch.manual_seed(0)

@@ -10,12 +10,15 @@ is the unfused rotation the tests hold it to, bit for bit, beside
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
 from dpu_frontend.model.layers.quant import FP8, cache_scales, fp8_scale, to_fp8
+from dpu_frontend.model.models.base import Llama3Scaling
 
 
 @triton.jit
@@ -185,15 +188,32 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
     return q
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
+    """Llama 3.1's frequencies from plain RoPE's, in transformers' order of operations
+    (``_compute_llama3_parameters``), for its bits."""
+    low_freq_wavelen = s.original_max_position / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class RotaryTable:
     """cos and sin for every position up to ``max_position``, in the model dtype (as HF
-    applies them), for heads of ``head_dim`` and the base ``theta``."""
+    applies them), for heads of ``head_dim``, the base ``theta`` and, where a config
+    has it, Llama 3.1's scaling."""
 
     def __init__(self, head_dim: int, theta: float, max_position: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scaling: Llama3Scaling | None = None) -> None:
         d = head_dim
         # HF computes inv_freq on the CPU in float32; so do we, for the same bits.
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         pos = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = pos[:, None] * inv_freq.to(device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -145,6 +145,34 @@ def decoder_weights(*, qk_norm: bool, fused: bool = False) -> WeightTable:
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3Scaling:
+    """Llama 3.1's ``llama3`` RoPE scaling: frequencies whose wavelength exceeds
+    ``original_max_position / low_freq_factor`` are divided by ``factor``, those under
+    ``original_max_position / high_freq_factor`` kept, the ones between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    @classmethod
+    def parse(cls, entry: dict[str, Any], key: str) -> Llama3Scaling:
+        """The fields of a ``llama3`` entry, checked (ValueError)."""
+        try:
+            scaling = cls(float(entry["factor"]), float(entry["low_freq_factor"]),
+                          float(entry["high_freq_factor"]),
+                          int(entry["original_max_position_embeddings"]))
+        except KeyError as exc:
+            raise ValueError(f"{key}: the llama3 scaling needs {exc}") from None
+        if not (scaling.factor >= 1 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+                and scaling.original_max_position > 0):
+            raise ValueError(f"{key}: llama3 scaling {entry!r} out of range (factor >= 1, "
+                             "0 < low_freq_factor < high_freq_factor, "
+                             "original_max_position_embeddings > 0)")
+        return scaling
+
+
+@dataclass(frozen=True, slots=True)
 class Rope:
     """A config's RoPE, from either of transformers' layouts (``rope_settings``)."""
 
@@ -155,6 +183,8 @@ class Rope:
     partial: float | None
     #: The key that said so, for the messages.
     key: str
+    #: The ``llama3`` scaling's fields, where that is the type.
+    llama3: Llama3Scaling | None = None
 
 
 def rope_settings(d: dict[str, Any]) -> Rope:
@@ -173,8 +203,9 @@ def rope_settings(d: dict[str, Any]) -> Rope:
     theta = scaling.get("rope_theta", theta)
     kind = scaling.get("rope_type", scaling.get("type"))
     partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    llama3 = Llama3Scaling.parse(scaling, key) if kind == "llama3" else None
     return Rope(10000.0 if theta is None else float(theta),
-                None if kind in (None, "default") else str(kind), partial, key)
+                None if kind in (None, "default") else str(kind), partial, key, llama3)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ class Llama:
         self.fp8 = any(isinstance(w, Fp8Weight) for w in params.layers[0].values())
         self.embed, self.norm, self.lm_head = (params.top[n] for n in ("embed", "norm", "lm_head"))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, max_position,
-                                  self.embed.dtype, self.embed.device)
+                                  self.embed.dtype, self.embed.device, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, attn: Attention) -> torch.Tensor:
         """Hidden states after the last layer (before the final norm), [T, hidden]."""
