@@ -18,7 +18,7 @@ from typing import Any
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
-from dpu_frontend.model.models.base import Llama3Scaling, rope_settings
+from dpu_frontend.model.models.base import Llama3Scaling, MoeShape, moe_shape, rope_settings
 
 #: Qwen3-0.6B's config.json, the fields this engine reads.
 QWEN3_0_6B: dict[str, Any] = {
@@ -72,6 +72,8 @@ class ModelConfig:
     qk_norm: bool
     #: Llama 3.1's RoPE scaling, where the config asks for it (and the spec has it).
     rope_scaling: Llama3Scaling | None = None
+    #: The experts of a mixture-of-experts MLP (Qwen3-MoE's); None for a dense one.
+    moe: MoeShape | None = None
 
     @property
     def group_size(self) -> int:
@@ -160,6 +162,7 @@ class ModelConfig:
             max_position=_positive(d, "max_position_embeddings"), rms_norm_eps=eps,
             rope_theta=theta, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             dtype=dtype, eos_token_ids=eos_ids, qk_norm=spec.qk_norm, rope_scaling=rope.llama3,
+            moe=moe_shape(d) if spec.weights.moe else None,
         )
 
 

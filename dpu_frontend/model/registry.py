@@ -23,6 +23,9 @@ MODELS: dict[str, ModelSpec] = {
     # Llama decoder over fused qkv_proj and gate_up_proj tensors.
     "Phi3ForCausalLM": ModelSpec("phi3", "llama:Llama",
                                  decoder_weights(qk_norm=False, fused=True)),
+    # Qwen3-30B-A3B: Qwen3's attention, every layer's MLP a mixture of experts.
+    "Qwen3MoeForCausalLM": ModelSpec("qwen3_moe", "qwen3_moe:Qwen3Moe",
+                                     decoder_weights(qk_norm=True, moe=True)),
 }
 
 

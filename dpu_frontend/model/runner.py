@@ -59,6 +59,9 @@ class ModelRunner:
                                "capability 9.x): the only ones their tiles and bits were "
                                "measured on (the FP8 linears' batch invariance rests on "
                                "Hopper's warpgroup MMA)")
+        if o.fp8_weights and c.moe is not None:
+            raise StartupError("--quantization fp8 is not implemented for a mixture of experts "
+                               f"({c.architecture}): its experts' grouped products run in --dtype")
         if o.weights is None:
             params = Params.random(table, c, self.dtype, self.device, o.weight_seed,
                                    fp8=o.fp8_weights)

@@ -42,7 +42,7 @@ class Params:
         gen.manual_seed(seed)
 
         def draw(param: Param) -> torch.Tensor:
-            shapes = [part.shape(config) for part in param.parts]
+            shapes = [part.shape(config) for part in param.parts_for(config)]
             shape = (sum(s[0] for s in shapes), *shapes[0][1:])
             mean, std = (1.0, 0.1) if param.init == "norm" else (0.0, 0.02)
             t = torch.empty(shape, dtype=torch.float32, device=device)
@@ -66,7 +66,7 @@ class Params:
             return host.view(ref.shape).to(device=device, dtype=dtype)
 
         def param(prefix: str, p: Param) -> torch.Tensor:
-            parts = [get(prefix + part.hf) for part in p.parts]
+            parts = [get(prefix + part.hf) for part in p.parts_for(config)]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         store = _storage(fp8)
@@ -84,7 +84,7 @@ class Params:
         def unpack(prefix: str, p: Param, weight: Weight) -> None:
             tensor = dequantize(weight, dtype) if isinstance(weight, Fp8Weight) else weight
             start = 0
-            for part in p.parts:
+            for part in p.parts_for(config):
                 rows = part.shape(config)[0]
                 out[prefix + part.hf] = tensor[start:start + rows]
                 start += rows

@@ -76,6 +76,34 @@ def test_a_phi3_checkpoint_has_fused_projections(tmp_path: Path) -> None:
         Checkpoint.scan(other, TINY_PHI3)
 
 
+TINY_MOE = ModelConfig.from_dict(QWEN3_0_6B | {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 50,
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "eos_token_id": 1,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+}, "tiny moe")
+
+
+def test_a_moe_checkpoint_has_a_tensor_per_expert(tmp_path: Path) -> None:
+    """Qwen3-MoE's checkpoint: a router and each expert's three projections, by name;
+    a missing expert is named."""
+    data = tensors(TINY_MOE)
+    assert data["model.layers.1.mlp.gate.weight"][1] == (4, 16)
+    assert data["model.layers.1.mlp.experts.3.up_proj.weight"][1] == (8, 16)
+    assert data["model.layers.1.mlp.experts.3.down_proj.weight"][1] == (16, 8)
+    assert len([n for n in data if ".mlp.experts." in n]) == 2 * 4 * 3
+    assert "model.layers.0.mlp.gate_proj.weight" not in data
+    checkpoint.write(tmp_path / "model.safetensors", data)
+    with Checkpoint.scan(tmp_path, TINY_MOE) as ckpt:
+        assert set(ckpt.tensors) == set(data)
+    other = tmp_path / "one-expert-short"
+    other.mkdir()
+    del data["model.layers.0.mlp.experts.2.gate_proj.weight"]
+    checkpoint.write(other / "model.safetensors", data)
+    with pytest.raises(StartupError, match=r"model\.layers\.0\.mlp\.experts\.2\.gate_proj"):
+        Checkpoint.scan(other, TINY_MOE)
+
+
 def test_sharded_checkpoint_with_index(tmp_path: Path) -> None:
     data = tensors(TINY)
     names = sorted(data)

@@ -12,7 +12,7 @@ from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
 from dpu_frontend.model.checkpoint import expected_shapes
 from dpu_frontend.model.config import QWEN3_0_6B, ModelConfig
-from dpu_frontend.model.models.base import Llama3Scaling
+from dpu_frontend.model.models.base import Llama3Scaling, MoeShape
 
 
 def test_default_is_qwen3_0_6b() -> None:
@@ -218,3 +218,51 @@ def test_every_served_architecture_has_a_decoder_module() -> None:
         module, _, cls = spec.implementation.partition(":")
         source = (models / f"{module}.py").read_text()
         assert f"class {cls}" in source, name
+
+
+#: Qwen/Qwen3-30B-A3B's config.json (the fields the engine reads, as published).
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+    "sliding_window": None, "use_sliding_window": False, "attention_bias": False,
+    "vocab_size": 151936, "tie_word_embeddings": False, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+def test_qwen3_30b_a3b_is_served_with_its_experts() -> None:
+    c = ModelConfig.from_dict(QWEN3_30B_A3B, "qwen3-30b-a3b")
+    assert c.moe == MoeShape(num_experts=128, top_k=8, intermediate=768, norm_topk_prob=True)
+    assert (c.architecture, c.qk_norm, c.group_size) == ("Qwen3MoeForCausalLM", True, 8)
+    assert c.parameter_count() == 30_532_122_624  # Qwen's 30.5B
+    names = expected_shapes(c)
+    assert names["model.layers.47.mlp.gate.weight"] == (128, 2048)
+    assert names["model.layers.0.mlp.experts.127.gate_proj.weight"] == (768, 2048)
+    assert names["model.layers.0.mlp.experts.0.down_proj.weight"] == (2048, 768)
+    assert "model.layers.0.mlp.gate_proj.weight" not in names
+    # One layer's linear weights: qkv, o, the router, every expert's gate_up and down.
+    assert registry.spec(c.architecture).weights.linear_shapes(c) == [
+        (4096 + 2 * 512, 2048), (2048, 4096), (128, 2048), (128 * 2 * 768, 2048),
+        (128 * 2048, 768)]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"decoder_sparse_step": 2}, "dense layers among the sparse ones"),
+    ({"mlp_only_layers": [0]}, "dense layers among the sparse ones"),
+    ({"shared_expert_intermediate_size": 5632}, "a shared expert"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok 129"),
+    ({"num_experts_per_tok": 17, "num_experts": 64}, "num_experts_per_tok 17"),
+    ({"num_experts": 1024}, "num_experts 1024"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size 0"),
+])
+def test_a_moe_config_needing_what_is_not_built_is_refused(change: dict[str, Any],
+                                                            message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        ModelConfig.from_dict(QWEN3_30B_A3B | change, "cfg")
+    with pytest.raises(StartupError, match="missing field 'num_experts'"):
+        ModelConfig.from_dict({k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"},
+                              "cfg")

@@ -74,6 +74,12 @@ RANDOM: dict[str, dict[str, Any]] = {
                                   "original_max_position_embeddings": 1024}},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
              "rope_theta": 250000.0, "tie_word_embeddings": False, "sliding_window": None},
+    # Qwen3-30B-A3B's layout: every MLP 8 experts of 64, 4 routed a token.
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "rope_theta": 1000000.0, "tie_word_embeddings": False, "num_experts": 8,
+                  "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "head_dim": 64},
 }
 SHAPES = {"hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
@@ -81,12 +87,28 @@ SHAPES = {"hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
           "eos_token_id": 2, "torch_dtype": "float32"}
 
 
+def checkpoint_tensors(name: str, array: Any) -> dict[str, Any]:
+    """A transformers parameter as a checkpoint holds it: transformers 5 keeps a MoE
+    layer's experts as [experts, 2 I, H] and [experts, H, I] tensors, a checkpoint one
+    tensor an expert and projection (``mlp.experts.{e}.gate_proj.weight``, ...)."""
+    prefix, _, last = name.rpartition("mlp.experts.")
+    if last == "gate_up_proj":
+        inner = array.shape[1] // 2
+        return {f"{prefix}mlp.experts.{e}.{proj}.weight": part
+                for e in range(array.shape[0])
+                for proj, part in (("gate_proj", array[e, :inner]), ("up_proj", array[e, inner:]))}
+    if last == "down_proj":
+        return {f"{prefix}mlp.experts.{e}.down_proj.weight": array[e] for e in range(array.shape[0])}
+    return {name: array}
+
+
 def random_model(kind: str) -> None:
     config_dict = RANDOM[kind] | SHAPES
     hf_args = {k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")}
     classes: dict[str, tuple[Any, Any]] = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
     config_class, model_class = classes[config_dict["model_type"]]
     hf_config = config_class(**hf_args)
     hf_config._attn_implementation = "eager"
@@ -99,7 +121,7 @@ def random_model(kind: str) -> None:
             # bf16 values, stored as bf16: Params.load copies them (it would keep a float32
             # tensor of the CPU's mapped file, which the checkpoint then cannot unmap).
             p.copy_((torch.randn_like(p) * 0.2).bfloat16().float())
-            state[name] = p.detach().numpy()
+            state.update(checkpoint_tensors(name, p.detach().numpy()))
     config = ModelConfig.from_dict(config_dict, kind)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint.write(Path(tmp) / "model.safetensors", {

@@ -1,7 +1,8 @@
 """The layers every decoder is built from, one module a layer, no model names inside:
 ``linear`` (and its tiles), ``norm`` (RMSNorm), ``rope`` (the rotary table and
 kernel), ``attention`` (paged attention and its step metadata), ``activation``
-(SwiGLU), ``sampler`` (the draw, on the GPU).
+(SwiGLU), ``moe`` (a mixture of experts' router, grouped products and sum),
+``quant`` (FP8), ``sampler`` (the draw, on the GPU).
 
 Every kernel here is **batch-invariant**: a row's result does not depend on
 how many other rows share the launch or where it sits among them. Each output

@@ -11,6 +11,7 @@ is the unfused rotation the tests hold it to, bit for bit, beside
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import triton
@@ -18,7 +19,6 @@ import triton.language as tl
 
 from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
 from dpu_frontend.model.layers.quant import FP8, cache_scales, fp8_scale, to_fp8
-from dpu_frontend.model.models.base import Llama3Scaling
 
 
 @triton.jit
@@ -186,6 +186,19 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         k_scales.stride(0), k_scales.stride(1), HQ=heads, HKV=kv_heads, HEAD_DIM=dim,
         PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=scales is not None, num_warps=NORM_WARPS)
     return q
+
+
+class Llama3Scaling(Protocol):
+    """Llama 3.1's RoPE scaling, as a config gives it (``models.base.Llama3Scaling``)."""
+
+    @property
+    def factor(self) -> float: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @property
+    def original_max_position(self) -> int: ...
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:

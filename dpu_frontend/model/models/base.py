@@ -42,15 +42,28 @@ class Part:
 @dataclass(frozen=True, slots=True)
 class Param:
     """A parameter of the decoder: its HF tensors stacked along dimension 0 in part
-    order (q, k and v into one ``qkv``: one linear instead of three)."""
+    order (q, k and v into one ``qkv``: one linear instead of three). ``experts``: the
+    parts repeat for each of the config's experts, ``{e}`` in their names, expert by
+    expert (a MoE layer's [experts x rows, K], viewed as [experts, rows, K])."""
 
     name: str
     parts: tuple[Part, ...]
     init: str = "linear"
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if not self.parts or self.init not in INITS:
             raise ValueError(f"parameter {self.name}: no parts, or init {self.init!r}")
+
+    def parts_for(self, config: ModelConfig) -> tuple[Part, ...]:
+        """The parts as a checkpoint holds them for ``config``: an expert parameter's
+        once for each expert, in expert order."""
+        if not self.experts:
+            return self.parts
+        if config.moe is None:
+            raise ValueError(f"parameter {self.name} is an expert's, the config has no experts")
+        return tuple(Part(part.hf.format(e=e), part.shape)
+                     for e in range(config.moe.num_experts) for part in self.parts)
 
     @property
     def linear(self) -> bool:
@@ -81,10 +94,10 @@ class WeightTable:
         for n in range(config.num_layers):
             prefix = LAYER_PREFIX.format(n=n)
             for param in self.layer:
-                for part in param.parts:
+                for part in param.parts_for(config):
                     yield prefix + part.hf, param, part
         for param in self.top_params(config):
-            for part in param.parts:
+            for part in param.parts_for(config):
                 yield part.hf, param, part
 
     def shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -95,20 +108,28 @@ class WeightTable:
         return sum(math.prod(shape) for shape in self.shapes(config).values())
 
     def linear_shapes(self, config: ModelConfig) -> list[tuple[int, int]]:
-        """The [N, K] of one layer's linear weights (each packed parameter as one)."""
+        """The [N, K] of one layer's linear weights (each packed parameter as one; an
+        expert parameter with every expert's rows)."""
         shapes = []
         for param in self.layer:
             if param.linear:
-                parts = [part.shape(config) for part in param.parts]
+                parts = [part.shape(config) for part in param.parts_for(config)]
                 shapes.append((sum(s[0] for s in parts), parts[0][1]))
         return shapes
 
+    @property
+    def moe(self) -> bool:
+        """The layers' MLP is a mixture of experts."""
+        return any(p.experts for p in self.layer)
 
-def decoder_weights(*, qk_norm: bool, fused: bool = False) -> WeightTable:
+
+def decoder_weights(*, qk_norm: bool, fused: bool = False, moe: bool = False) -> WeightTable:
     """The weights of a Llama-family decoder in HF's naming (pre-norm, GQA attention,
     gated MLP), ``qk_norm`` adding a per-head RMSNorm of q and k (Qwen3); ``fused``: the
     checkpoint holds q, k and v as one ``qkv_proj`` and gate and up as one
-    ``gate_up_proj`` (Phi-3's, in the engine's own packing order)."""
+    ``gate_up_proj`` (Phi-3's, in the engine's own packing order); ``moe``: each layer's
+    MLP is a router (``mlp.gate``) over experts, each a gated MLP of its own
+    (``mlp.experts.{e}.*``, Qwen3-MoE's)."""
 
     def hidden(c: ModelConfig) -> tuple[int, ...]:
         return (c.hidden_size,)
@@ -127,14 +148,28 @@ def decoder_weights(*, qk_norm: bool, fused: bool = False) -> WeightTable:
                      lambda c: (2 * c.intermediate_size, c.hidden_size)),) if fused else
                (Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
                 Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size))))
+    mlp: tuple[Param, ...] = (
+        Param("gate_up", gate_up),
+        Param("down", (Part("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),)),
+    )
+    if moe:
+        mlp = (
+            Param("router", (Part("mlp.gate.weight", lambda c: (_moe(c).num_experts, c.hidden_size)),)),
+            Param("experts_gate_up", (
+                Part("mlp.experts.{e}.gate_proj.weight", lambda c: (_moe(c).intermediate, c.hidden_size)),
+                Part("mlp.experts.{e}.up_proj.weight", lambda c: (_moe(c).intermediate, c.hidden_size))),
+                experts=True),
+            Param("experts_down", (
+                Part("mlp.experts.{e}.down_proj.weight", lambda c: (c.hidden_size, _moe(c).intermediate)),),
+                experts=True),
+        )
     layer = (
         Param("input_norm", (Part("input_layernorm.weight", hidden),), "norm"),
         Param("qkv", qkv),
         *(norms if qk_norm else ()),
         Param("o_proj", (Part("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),)),
         Param("post_norm", (Part("post_attention_layernorm.weight", hidden),), "norm"),
-        Param("gate_up", gate_up),
-        Param("down", (Part("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),)),
+        *mlp,
     )
     top = (
         Param(EMBED, (Part("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),)),
@@ -142,6 +177,43 @@ def decoder_weights(*, qk_norm: bool, fused: bool = False) -> WeightTable:
         Param("norm", (Part("model.norm.weight", hidden),), "norm"),
     )
     return WeightTable(layer, top)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """A mixture-of-experts MLP's shape (Qwen3-MoE's config fields): ``num_experts``
+    experts of ``intermediate`` (``moe_intermediate_size``), ``top_k``
+    (``num_experts_per_tok``) of them routed a token, their weights renormalized to
+    sum to 1 where ``norm_topk_prob``."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool
+
+
+#: The router's limits: a token's expert probabilities in one program, and its top k
+#: picked one by one.
+MAX_EXPERTS, MAX_TOP_K = 512, 16
+
+
+def moe_shape(d: dict[str, Any]) -> MoeShape:
+    """A MoE config's experts, checked (ValueError; KeyError for a missing field)."""
+    shape = MoeShape(int(d["num_experts"]), int(d["num_experts_per_tok"]),
+                     int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False)))
+    if not 0 < shape.top_k <= min(shape.num_experts, MAX_TOP_K):
+        raise ValueError(f"num_experts_per_tok {shape.top_k}: 1 to {MAX_TOP_K}, and at most "
+                         "num_experts")
+    if not 0 < shape.num_experts <= MAX_EXPERTS or shape.intermediate <= 0:
+        raise ValueError(f"num_experts {shape.num_experts} (1 to {MAX_EXPERTS}) or "
+                         f"moe_intermediate_size {shape.intermediate} out of range")
+    return shape
+
+
+def _moe(config: ModelConfig) -> MoeShape:
+    if config.moe is None:
+        raise ValueError("an expert parameter's shape needs a config with experts")
+    return config.moe
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +323,15 @@ class ModelSpec:
         if d.get("sliding_window") is not None and d.get("use_sliding_window", True):
             raise ValueError(f"sliding_window = {d['sliding_window']!r} is not implemented by "
                              "this engine")
+        if self.weights.moe:
+            # Every layer's MLP sparse (Qwen3-30B-A3B's, and Qwen3-235B-A22B's).
+            if d.get("decoder_sparse_step", 1) != 1 or d.get("mlp_only_layers"):
+                raise ValueError(f"decoder_sparse_step = {d.get('decoder_sparse_step')!r}, "
+                                 f"mlp_only_layers = {d.get('mlp_only_layers')!r}: dense "
+                                 "layers among the sparse ones are not implemented by this "
+                                 "engine")
+            if d.get("shared_expert_intermediate_size"):
+                raise ValueError("a shared expert is not implemented by this engine")
         act = d.get("hidden_act", "silu")
         if act not in self.activations:
             raise ValueError(f"hidden_act {act!r} is not implemented "

@@ -25,28 +25,37 @@ from dpu_frontend.model.layers.rope import RotaryTable, qk_norm_rope
 from dpu_frontend.model.weights import Params
 
 
-@dataclass
-class Layer:
-    """One layer's parameters, by the weight table's names."""
+@dataclass(kw_only=True)
+class AttentionLayer:
+    """A layer's attention parameters and norms, by the weight table's names."""
 
     input_norm: torch.Tensor
     qkv: Weight  # [q_size + 2 kv_size, hidden]: q_proj, k_proj, v_proj stacked
     o_proj: Weight
     post_norm: torch.Tensor
-    gate_up: Weight  # [2 intermediate, hidden]: gate_proj, up_proj stacked
-    down: Weight
     # The per-head norms of q and k (Qwen3's); None where the table has none (Llama's).
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
 
+@dataclass(kw_only=True)
+class Layer(AttentionLayer):
+    """A layer with a dense gated MLP."""
+
+    gate_up: Weight  # [2 intermediate, hidden]: gate_proj, up_proj stacked
+    down: Weight
+
+
 class Llama:
+    #: A layer's parameters: the weight table's names for one layer.
+    layer_class: type[AttentionLayer] = Layer
+
     def __init__(self, config: ModelConfig, params: Params, cache: KvCache,
                  max_position: int) -> None:
         self.config = config
         self.params = params
         self.cache = cache
-        self.layers = [Layer(**layer) for layer in params.layers]
+        self.layers = [self.layer_class(**layer) for layer in params.layers]
         #: FP8 linear weights (``--quantization fp8``): the norms before them quantize the
         #: rows they make, in the same launch.
         self.fp8 = any(isinstance(w, Fp8Weight) for w in params.layers[0].values())
@@ -73,9 +82,14 @@ class Llama:
                             attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o,
                             k_scale=k_scale, v_scale=v_scale)
             h = linear(o.reshape(t, c.q_size), layer.o_proj, residual=h)
-            x = self._norm(h, layer.post_norm)
-            h = linear(linear(x, layer.gate_up, gated=True), layer.down, residual=h)
+            h = self._mlp(layer, self._norm(h, layer.post_norm), h)
         return h
+
+    def _mlp(self, layer: AttentionLayer, x: torch.Tensor | Fp8Rows,
+             residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` + the MLP of the post-attention norm's rows ``x``."""
+        assert isinstance(layer, Layer)
+        return linear(linear(x, layer.gate_up, gated=True), layer.down, residual=residual)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Rows:
         eps = self.config.rms_norm_eps

@@ -1,0 +1,219 @@
+# Triton kernels' parameters are typed by the JIT (pointers, constexprs), not by hints.
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""A mixture-of-experts MLP (Qwen3-MoE's), on the GPU from the router to the sum:
+
+1. ``route``: the router's logits (a ``linear``) to each token's top-k experts and
+   their weights: softmax in float32, the k largest one by one, renormalized to sum
+   to 1 where the config says (``norm_topk_prob``), the weights rounded to the model
+   dtype as transformers rounds them;
+2. ``group_by_expert``: the (token, k) pairs sorted by expert, each expert's run padded
+   to whole blocks of rows (torch's sort and scans, no host sync: CUDA graphs capture
+   it);
+3. ``_moe_gemm_kernel``, once a projection: each program takes one block of one
+   expert's pairs and a block of its output columns. The gate_up projection gathers
+   the tokens' rows and ends in SwiGLU (``activation.swiglu``); down reads those rows;
+4. ``_moe_combine_kernel``: each token's experts weighted and summed in ascending
+   expert id, then the residual added.
+
+**Batch invariance.** A pair's row of an expert's product is summed over K in steps
+fixed by the shape (no split-K), in a tile whose other rows are other tokens': as
+for ``linear``, the row's bits do not depend on them. A token's experts are summed
+in one order, its experts' ids, whatever else is in the batch.
+
+**Rounding** follows transformers' ``Qwen3MoeSparseMoeBlock``: each expert's output
+and its product with the (model-dtype) weight are rounded to the model dtype, and
+added in the model dtype, expert after expert in ascending id (its loop over the
+experts with ``index_add_``); the residual is added after, in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dpu_frontend.model.layers.activation import swiglu
+from dpu_frontend.model.layers.linear import precision
+
+#: A program's rows (one expert's pairs), output columns and K step. The K step is
+#: part of a row's bits: fixed, whatever the batch.
+MOE_BLOCK_M, MOE_BLOCK_N, MOE_BLOCK_K = 16, 64, 64
+MOE_WARPS, MOE_STAGES = 4, 3
+COMBINE_BLOCK = 512
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
+                  K_P2: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+    """One token: softmax over its experts' logits, the top k (the largest first; among
+    equal probabilities the lowest id), their weights renormalized where NORM."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    k = tl.arange(0, K_P2)
+    ids = tl.zeros((K_P2,), dtype=tl.int32)
+    top = tl.zeros((K_P2,), dtype=tl.float32)
+    left = tl.where(e < E, p, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        pick = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)
+        ids = tl.where(k == j, pick, ids)
+        top = tl.where(k == j, best, top)
+        left = tl.where(e == pick, -1.0, left)
+    if NORM:
+        top = top / tl.sum(top, axis=0)
+    live = k < TOP_K
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=live)
+    tl.store(w_ptr + t * TOP_K + k, top.to(w_ptr.dtype.element_ty), mask=live)
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+    """Each token's ``top_k`` experts [T, k] int32 (by probability, largest first) and
+    their weights [T, k] in the logits' dtype, from the router's logits [T, experts]."""
+    t, experts = logits.shape
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, ids, weights, experts, logits.stride(0), TOP_K=top_k,
+                            K_P2=triton.next_power_of_2(top_k),
+                            BLOCK_E=triton.next_power_of_2(experts), NORM=norm_topk_prob,
+                            num_warps=4)
+    return ids, weights
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int,
+                    block_m: int = MOE_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs of ``ids`` [T, k] grouped by expert, for the grouped GEMM:
+
+    - ``pairs``: pair indices (``token * k + slot``), each expert's run starting on a
+      block of ``block_m`` and padded with T * k;
+    - ``block_expert``: each block's expert, ``num_experts`` past the last run.
+
+    Sizes depend on T and k alone (at most ``cdiv(T k, block_m) + min(experts, T k)``
+    blocks), and nothing waits for the GPU, so a CUDA graph captures it."""
+    n = ids.numel()
+    device = ids.device
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # each expert's first place in ``order``
+    rank = torch.arange(n, device=device) - first[by_expert]
+    blocks = -(-n // block_m) + min(num_experts, n)
+    pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
+    pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=device) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return pairs, block_expert
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, N, K, num_pairs,
+                     stride_am, stride_we, stride_wn, stride_ym, NUM_EXPERTS: tl.constexpr,
+                     TOP_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One block of one expert's pairs x one block of output columns: y[pair] = a[row]
+    @ w[expert]^T, a's row the pair's token (GATHER) or the pair itself; GATED: w is
+    [gate | up] of [2N, K] and y SwiGLU's."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < NUM_EXPERTS:
+        rm = tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + block * BLOCK_M + rm)
+        valid = pair < num_pairs
+        row = pair // TOP_K if GATHER else pair
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        w = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(a_ptr + row[:, None].to(tl.int64) * stride_am + kk[None, :],
+                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+            w_mask = (rn[:, None] < N) & (kk[None, :] < K)
+            wg = tl.load(w + rn[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+            acc += tl.dot(a, tl.trans(wg), input_precision=PRECISION)
+            if GATED:
+                wu = tl.load(w + (N + rn)[:, None] * stride_wn + kk[None, :], mask=w_mask,
+                             other=0.0)
+                acc_up += tl.dot(a, tl.trans(wu), input_precision=PRECISION)
+        dtype = y_ptr.dtype.element_ty
+        y = acc.to(dtype)
+        if GATED:
+            y = swiglu(y, acc_up.to(dtype))
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_ym + rn[None, :], y,
+                 mask=valid[:, None] & (rn[None, :] < N))
+
+
+def _moe_gemm(a: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor,
+              block_expert: torch.Tensor, num_pairs: int, top_k: int, *, gather: bool,
+              gated: bool) -> torch.Tensor:
+    experts, rows, k = weight.shape
+    n = rows // 2 if gated else rows
+    y = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
+    grid = (block_expert.shape[0], triton.cdiv(n, MOE_BLOCK_N))
+    _moe_gemm_kernel[grid](
+        a, weight, y, pairs, block_expert, n, k, num_pairs, a.stride(0), weight.stride(0),
+        weight.stride(1), y.stride(0), NUM_EXPERTS=experts, TOP_K=top_k, GATHER=gather,
+        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K,
+        PRECISION=precision(a.dtype), num_warps=MOE_WARPS, num_stages=MOE_STAGES)
+    return y
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, r_ptr, out_ptr, H, stride_y, stride_r,
+                        stride_o, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One token, a block of its columns: residual + its experts' outputs times their
+    weights, in ascending expert id, each product and sum rounded to the model dtype."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    k = tl.arange(0, K_P2)
+    ids = tl.load(ids_ptr + t * TOP_K + k, mask=k < TOP_K, other=2**30)
+    # Each slot's place among the token's experts by id (the ids are distinct).
+    place = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.sum(tl.where(place == j, k, 0), axis=0)
+        weight = tl.load(w_ptr + t * TOP_K + slot).to(tl.float32)
+        y = tl.load(y_ptr + (t * TOP_K + slot).to(tl.int64) * stride_y + cols, mask=mask,
+                    other=0.0)
+        product = (y.to(tl.float32) * weight).to(dtype)
+        acc = (acc + product.to(tl.float32)).to(dtype).to(tl.float32)
+    r = tl.load(r_ptr + t * stride_r + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_o + cols, (r.to(tl.float32) + acc).to(dtype), mask=mask)
+
+
+def moe_mlp(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            residual: torch.Tensor, top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """``residual`` + the experts' MLP of ``x`` [T, hidden]: ``logits`` [T, experts] the
+    router's, ``gate_up`` [experts, 2 intermediate, hidden] (gate, then up) and
+    ``down`` [experts, hidden, intermediate] the experts' weights."""
+    t, hidden = x.shape
+    experts = gate_up.shape[0]
+    if gate_up.shape[2] != hidden or down.shape[:2] != (experts, hidden) or (
+            down.shape[2] * 2 != gate_up.shape[1]) or logits.shape != (t, experts):
+        raise ValueError(f"expert weights {tuple(gate_up.shape)} and {tuple(down.shape)}, "
+                         f"logits {tuple(logits.shape)}, for rows {tuple(x.shape)}")
+    out = torch.empty_like(residual)
+    if t == 0:
+        return out
+    ids, weights = route(logits, top_k, norm_topk_prob)
+    pairs, block_expert = group_by_expert(ids, experts)
+    n = t * top_k
+    inner = _moe_gemm(x, gate_up, pairs, block_expert, n, top_k, gather=True, gated=True)
+    y = _moe_gemm(inner, down, pairs, block_expert, n, top_k, gather=False, gated=False)
+    _moe_combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](
+        y, ids, weights, residual, out, hidden, y.stride(0), residual.stride(0), out.stride(0),
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK=COMBINE_BLOCK, num_warps=4)
+    return out
