@@ -1,6 +1,6 @@
-"""LlamaForCausalLM and Phi3ForCausalLM on a real GPU, against HF ``transformers``' own
-classes: small random configurations, and SmolLM2-135M-Instruct's GGUF file as setup
-installs it
+"""LlamaForCausalLM, Phi3ForCausalLM and Qwen3MoeForCausalLM on a real GPU, against HF
+``transformers``' own classes: small random configurations (Llama 3.1's RoPE scaling
+among them), and SmolLM2-135M-Instruct's GGUF file as setup installs it
 (``python -m dpu_frontend.text.smollm2``; on the GPU machine with ``--prefix`` and
 ``DPU_FRONTEND_SMOLLM2_PREFIX``). Each test prints what it measured."""
 
@@ -55,17 +55,48 @@ SMALL_PHI3: dict[str, Any] = SMALL_LLAMA | {
 }
 
 
+#: Qwen3-30B-A3B's layout at small shapes: Qwen3's attention (q and k norms), every MLP
+#: 16 experts of 128, 4 routed a token.
+SMALL_MOE: dict[str, Any] = SMALL_LLAMA | {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+#: transformers' classes by model_type, untyped here: config and model go in pairs.
+HF_CLASSES: dict[str, tuple[Any, Any]] = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+}
+
+
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's experts (``mlp.experts.{e}.gate_proj.weight``, ...) as transformers
+    5 holds them: ``mlp.experts.gate_up_proj`` [experts, 2 I, H] (gate, then up) and
+    ``mlp.experts.down_proj`` [experts, H, I]."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    layers = {k.split(".mlp.experts.")[0] for k in state if ".mlp.experts." in k}
+    for layer in layers:
+        count = len([k for k in state if k.startswith(f"{layer}.mlp.experts.")
+                     and k.endswith(".down_proj.weight")])
+        expert = [f"{layer}.mlp.experts.{e}." for e in range(count)]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([
+            torch.cat([state[p + "gate_proj.weight"], state[p + "up_proj.weight"]]) for p in expert])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack(
+            [state[p + "down_proj.weight"] for p in expert])
+    return out
+
+
 def hf_llama(config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
-    phi3 = config_dict.get("model_type") == "phi3"
-    # transformers' classes, untyped here: the config and model classes go in pairs.
-    config_class: Any = transformers.Phi3Config if phi3 else transformers.LlamaConfig
-    model_class: Any = transformers.Phi3ForCausalLM if phi3 else transformers.LlamaForCausalLM
+    config_class, model_class = HF_CLASSES[config_dict.get("model_type", "llama")]
     hf_config = config_class(**{k: v for k, v in config_dict.items()
                                 if k not in ("architectures", "model_type")})
     hf_config._attn_implementation = "eager"
     with torch.device("cuda"):
         model = model_class(hf_config).to(torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(fused_experts(state), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()
@@ -98,8 +129,8 @@ def same_greedy(ours: list[list[int]], model: Any, ps: list[list[int]], n: int) 
     return identical
 
 
-@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_LLAMA31, SMALL_PHI3],
-                         ids=["llama", "llama3.1", "phi3"])
+@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_LLAMA31, SMALL_PHI3, SMALL_MOE],
+                         ids=["llama", "llama3.1", "phi3", "qwen3_moe"])
 def test_a_small_random_model_is_transformers_in_float32(config_dict: dict[str, Any]) -> None:
     config = ModelConfig.from_dict(config_dict, "small")
     eng = engine("float32", num_blocks=512, config=config)
@@ -114,7 +145,8 @@ def test_a_small_random_model_is_transformers_in_float32(config_dict: dict[str, 
 
 
 #: The first four are the README's; all sixteen are the equality test's prompts.
-@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3], ids=["llama", "phi3"])
+@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3, SMALL_MOE],
+                         ids=["llama", "phi3", "qwen3_moe"])
 def test_a_small_random_model_is_transformers_in_bfloat16(config_dict: dict[str, Any]) -> None:
     """Teacher-forced logits, with the Qwen3 test's bounds (an H200 probe measured a
     mean |difference| of 0.0071 of the logits' std for both)."""

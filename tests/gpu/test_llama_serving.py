@@ -25,7 +25,7 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import smollm2_gguf, smollm2_tokenizer
-from tests.gpu.test_llama import QUESTIONS, SMALL_LLAMA, SMALL_PHI3
+from tests.gpu.test_llama import QUESTIONS, SMALL_LLAMA, SMALL_MOE, SMALL_PHI3
 from tests.gpu.test_model import SEED, TIE_MARGIN, engine, greedy, hf_forward
 from tests.stack import MODEL, Stack, running_stack
 
@@ -105,7 +105,8 @@ def test_smollm2_answers_through_the_daemon(smollm2_stack: Stack, smollm2_refere
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3], ids=["llama", "phi3"])
+@pytest.mark.parametrize("config_dict", [SMALL_LLAMA, SMALL_PHI3, SMALL_MOE],
+                         ids=["llama", "phi3", "qwen3_moe"])
 def test_a_small_random_model_through_the_daemon(config_dict: dict[str, Any], scheduler: str,
                                                  vocab: Vocabulary, tmp_path: Path) -> None:
     """Greedy completions through the daemon are the engine's own tokens for the same
