@@ -15,6 +15,7 @@ kind (the host's launch, wait and judge against the scheduler kernel's own pass)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +57,10 @@ class Precision:
         return (f"{'FP8' if self.fp8_weights else 'model-dtype'} linear weights, "
                 f"{'FP8' if self.fp8_kv else 'model-dtype'} KV cache")
 
-    def weight_bytes(self, config: ModelConfig) -> int:
+    def weight_bytes(self, config: ModelConfig, batch: float | None = None) -> int:
         """``weight_bytes_read``: with FP8 weights, the layers' linear weights at a byte
         an element and their channels' scales; the rest in the model dtype."""
-        total = weight_bytes_read(config, self.element)
+        total = weight_bytes_read(config, self.element, batch)
         if self.fp8_weights:
             elements, channels = config.linear_weights()
             total += elements * (FP8_ELEMENT - self.element) + channels * SCALE_BYTES
@@ -109,13 +110,34 @@ def describe(config: ModelConfig) -> str:
             f"{c.parameter_count() / 1e9:.2f}B parameters")
 
 
-def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT) -> int:
-    """The weights' bytes a decode step reads: every parameter, but of an untied input
-    embedding only the step's own rows (a few KB, left out): the output head is read
-    whole, the embedding table is not. A tied model's one table is the head."""
+def experts_read(config: ModelConfig, batch: float | None) -> float:
+    """The experts a MoE layer reads in a decode step of ``batch`` tokens: each token
+    routes to k of E, so E (1 - (1 - k/E)^batch) are expected if routing were uniform
+    (a real router's favourites make it fewer: the bound is then a little low). Every
+    expert where ``batch`` is None."""
+    moe = config.moe
+    if moe is None:
+        return 0.0
+    if batch is None:
+        return float(moe.num_experts)
+    e, k = moe.num_experts, moe.top_k
+    return max(float(min(k, e)) if batch > 0 else 0.0, e * (1 - math.pow(1 - k / e, batch)))
+
+
+def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT,
+                      batch: float | None = None) -> int:
+    """The weights' bytes a decode step of ``batch`` sequences reads: every parameter,
+    but of an untied input embedding only the step's own rows (a few KB, left out): the
+    output head is read whole, the embedding table is not. A tied model's one table is
+    the head. Of a mixture of experts, the experts the batch routes to
+    (``experts_read``); all of them where ``batch`` is None."""
     parameters = config.parameter_count()
     if not config.tie_word_embeddings:
         parameters -= config.vocab_size * config.hidden_size
+    if config.moe is not None:
+        per_expert = 3 * config.moe.intermediate * config.hidden_size  # gate, up, down
+        unread = config.moe.num_experts - experts_read(config, batch)
+        parameters -= round(config.num_layers * unread * per_expert)
     return parameters * element
 
 
@@ -123,7 +145,7 @@ def step_bytes(config: ModelConfig, batch: int, context: int,
                precision: Precision) -> tuple[int, int]:
     """A decode step's bytes read, (weights, K and V), with ``batch`` sequences each
     attending ``context`` positions, stored as ``precision`` says."""
-    return (precision.weight_bytes(config),
+    return (precision.weight_bytes(config, batch),
             batch * context * precision.kv_bytes_per_token(config))
 
 
@@ -138,7 +160,8 @@ def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch:
     mix's mean context per generated token (a sequence's k-th token reads p + k)."""
     generated = sum(o for _, o in pairs)
     context = sum(o * (p + o / 2) for p, o in pairs) / generated
-    step = precision.weight_bytes(config) + batch * context * precision.kv_bytes_per_token(config)
+    step = (precision.weight_bytes(config, batch)
+            + batch * context * precision.kv_bytes_per_token(config))
     return batch / (step / bandwidth)
 
 
@@ -148,8 +171,9 @@ def own_bound_tokens_per_s(config: ModelConfig, steps: float, context_tokens: fl
     """Output tokens/s the copy bandwidth allows for the steps a run actually took:
     the weights once a step (``weight_bytes_read``), and the K and V of every position
     each step attended (the engine's ``context_tokens``), at their batch sizes, tail and
-    ramp included."""
-    seconds = (steps * precision.weight_bytes(config)
+    ramp included; a mixture of experts' at the run's mean batch (``experts_read``)."""
+    mean_batch = tokens / steps if steps else None
+    seconds = (steps * precision.weight_bytes(config, mean_batch)
                + context_tokens * precision.kv_bytes_per_token(config)) / bandwidth
     return tokens / seconds if seconds else 0.0
 

@@ -16,6 +16,7 @@ from benchmarks.model_figures import (
     counter_deltas,
     describe,
     engine_figures,
+    experts_read,
     kv_blocks,
     load_config,
     own_bound_tokens_per_s,
@@ -149,6 +150,39 @@ def test_gpu_scheduler_counters_give_the_same_figures(qwen3_8b: ModelConfig) -> 
     assert gpu[GPU_PASS] == "0.2 (0.1 + 0.05 + 0.02 + 0.03)"
     assert gpu[GPU_IDLE] == 1.5
     assert set(gpu) == {STEPS, GPU_TIME, BOUND, GPU_PASS, GPU_IDLE}
+
+
+@pytest.mark.parametrize(("name", "architecture", "parameters"), [
+    ("llama-3-8b", "LlamaForCausalLM", 8_030_261_248),
+    ("phi-4", "Phi3ForCausalLM", 14_659_507_200),
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30_532_122_624),
+])
+def test_blinks_other_models_are_bundled(name: str, architecture: str, parameters: int) -> None:
+    c = ModelConfig.load(CONFIGS / f"{name}.json")
+    assert (c.architecture, c.parameter_count()) == (architecture, parameters)
+
+
+def test_a_moe_step_reads_the_experts_its_batch_routes_to() -> None:
+    """Qwen3-30B-A3B: a token reads attention, the router and 8 of 128 experts a layer,
+    its published 3.3B active parameters with the embedding; a batch reads the experts
+    uniform routing would hit; every expert without a batch."""
+    c = ModelConfig.load(CONFIGS / "qwen3-30b-a3b.json")
+    attention = (4096 + 1024) * 2048 + 2048 * 4096 + 2 * 128 + 2 * 2048
+    expert, router, head = 3 * 768 * 2048, 128 * 2048, 151936 * 2048
+    one = 48 * (attention + router + 8 * expert) + head + 2048
+    assert one + head == pytest.approx(3.3e9, rel=0.02)
+    assert weight_bytes_read(c, batch=1) == 2 * one
+    assert experts_read(c, 1) == 8 and experts_read(c, 0) == 0
+    assert experts_read(c, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16))
+    assert experts_read(c, 1024) == pytest.approx(128)
+    assert weight_bytes_read(c) == 2 * (c.parameter_count() - head)
+    assert weight_bytes_read(c, batch=64) < weight_bytes_read(c)
+    weights, _ = step_bytes(c, 1, 100, Precision())
+    assert weights == 2 * one
+    # A dense model reads every weight whatever the batch.
+    dense = ModelConfig.load(QWEN3_8B)
+    assert weight_bytes_read(dense, batch=1) == weight_bytes_read(dense) == WEIGHTS_8B
+    assert experts_read(dense, 8) == 0
 
 
 def test_a_step_reads_the_head_whole_and_an_untied_embedding_by_rows(
