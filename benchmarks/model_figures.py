@@ -16,12 +16,15 @@ kind (the host's launch, wait and judge against the scheduler kernel's own pass)
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpu_frontend.model.config import ModelConfig
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.tokenizer import Vocabulary
 
 #: Bytes of a weight and of a K or V element in the bounds of the served model: bf16,
 #: the model peer's default ``--dtype``.
@@ -30,7 +33,11 @@ SERVED_ELEMENT = 2
 FP8_ELEMENT, SCALE_BYTES = 1, 4
 #: model-peer flags ``model_serving`` sets from its own options, never through
 #: ``--peer-arg``: the bounds are computed from the config and the precision the peer runs.
-OWN_PEER_FLAGS = ("--model-config", "--scheduler", "--quantization", "--kv-cache-dtype")
+OWN_PEER_FLAGS = ("--model-config", "--scheduler", "--quantization", "--kv-cache-dtype",
+                  "--tokenizer")
+#: Prompts are token ids drawn from here up to the tokenizer's size (past the ids of
+#: bytes and the commonest pieces, under every special token of the tokenizers used).
+PROMPT_ID_LOW, PROMPT_ID_HIGH = 100, 150_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,41 @@ def own_peer_flags(model_config: Path | None, scheduler: str, extra: Sequence[st
     if model_config is not None:
         flags += ["--model-config", str(model_config.resolve())]
     return flags
+
+
+@dataclass(frozen=True, slots=True)
+class BenchTokenizer:
+    """The tokenizer a model benchmark hands to the daemon and the model peer
+    (``--tokenizer``; the bundled Qwen3 one without it), and the token ids its prompts
+    are drawn from: the prompts are token ids, which the completions API takes, so any
+    tokenizer no larger than the model's vocabulary serves (Phi-4's installs from no
+    package: GPT-2's stands in, and the figures say so)."""
+
+    path: Path | None
+    size: int
+    name: str
+
+    @classmethod
+    def load(cls, path: Path | None, config: ModelConfig) -> BenchTokenizer:
+        """ValueError where the tokenizer has more ids than the model's vocabulary (the
+        peer would refuse to start)."""
+        vocab = Vocabulary.load(path or default_tokenizer_dir())
+        size = vocab.tokenizer.get_vocab_size()
+        if size > config.vocab_size:
+            raise ValueError(
+                f"the tokenizer {path or 'bundled (Qwen3)'} has {size} ids, the model "
+                f"{config.vocab_size}: pass --tokenizer (Llama-3: build/assets/llama3_1; "
+                "a model whose tokenizer installs from no package: a smaller one, such as "
+                "GPT-2's build/assets/gpt2)")
+        return cls(path, size, str(path) if path else "the bundled Qwen3 tokenizer")
+
+    def flags(self) -> list[str]:
+        """``--tokenizer`` for the daemon and the peer, absolute (the peer runs elsewhere)."""
+        return ["--tokenizer", str(self.path.resolve())] if self.path else []
+
+    def prompt_ids(self, rng: random.Random, length: int) -> list[int]:
+        return [rng.randrange(PROMPT_ID_LOW, min(PROMPT_ID_HIGH, self.size))
+                for _ in range(length)]
 
 
 def describe(config: ModelConfig) -> str:
@@ -220,6 +262,19 @@ def is_gpu(counters: Mapping[str, Any]) -> bool:
     return counters.get("scheduler") == "gpu"
 
 
+def run_bound(config: ModelConfig, before: Mapping[str, Any], after: Mapping[str, Any],
+              bandwidth: float, precision: Precision = Precision()) -> float:
+    """The output tokens/s bound of the steps between two readings of the peer's
+    ``kernel`` counters (``own_bound_tokens_per_s``), either scheduler; 0 where the
+    peer does not count the context its steps read."""
+    d = counter_deltas(before, after)
+    run = Steps.of_gpu(d) if is_gpu(after) else Steps.of_host(d)
+    if run.context is None:
+        return 0.0
+    return own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth,
+                                  precision)
+
+
 def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
                    after: Mapping[str, Any], output_tokens_per_s: float,
                    bandwidth: float, precision: Precision = Precision()) -> dict[str, object]:
@@ -254,8 +309,7 @@ def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
                 f"between steps"] = (f"{per['engine_s']} ({per['launch_s']} + {per['wait_s']} + "
                                      f"{per['judge_s']}) / {per['loop_s']}")
     figures[f"{name}: per step, ms: GPU time"] = round(run.gpu_s / steps * 1e3, 2)
-    own = (own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth,
-                                  precision) if run.context is not None else 0.0)
+    own = run_bound(config, before, after, bandwidth, precision)
     figures[f"{name}: bound of the run's own steps (weights + KV read each step), output "
             f"tokens/s"] = (f"{own:.0f} (the output rate is {output_tokens_per_s / own:.2f} "
                             f"of it)" if own else "-")

@@ -40,6 +40,7 @@ import torch
 from benchmarks.common import cpu_seconds, py_spy, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_figures import (
+    BenchTokenizer,
     Precision,
     bound_tokens_per_s,
     describe,
@@ -52,8 +53,6 @@ from dpu_frontend.config import PeerAddress
 from dpu_frontend.control.stats import peer_report
 from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULERS
 from tests.stack import running_stack
-
-VOCAB_LOW, VOCAB_HIGH = 100, 150_000
 
 
 def engine_counters(address: PeerAddress) -> dict[str, Any]:
@@ -79,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model peer's flag: FP8 linear weights (the bounds count them)")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="the model peer's flag: an FP8 KV cache (the bounds count it)")
+    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
+                    help="the daemon's and the peer's tokenizer (default: the bundled Qwen3 "
+                         "one); prompts are token ids below its size")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
@@ -91,15 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
 
     config, origin = load_config(args.model_config)
+    try:
+        tokenizer = BenchTokenizer.load(args.tokenizer, config)
+    except ValueError as exc:
+        ap.error(str(exc))
     pairs = [tuple(p) for p in json.loads(args.lengths.read_text())["pairs"]]
     rng = random.Random(args.seed)
     bandwidth = copy_bandwidth(torch.device("cuda", 0), size=2 << 30)
     peer_args = ("--channels", str(args.workers), "--max-seqs", str(args.max_seqs),
                  "--max-model-len", "4096", "--max-sequences", "1024", "--resp-slots", "2048",
-                 *own_flags, *args.peer_arg)
+                 *own_flags, *tokenizer.flags(), *args.peer_arg)
     figures: dict[str, object] = {
         "model config": origin, "model": describe(config), "scheduler": args.scheduler,
-        "precision": precision.describe(),
+        "precision": precision.describe(), "tokenizer": tokenizer.name,
         "lengths": f"{len(pairs)} ShareGPT pairs, prompt mean "
                    f"{statistics.mean(p for p, _ in pairs):.0f}, output mean "
                    f"{statistics.mean(o for _, o in pairs):.0f} tokens",
@@ -109,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         f"bound at batch {args.max_seqs}, output tokens/s":
             round(bound_tokens_per_s(config, pairs, args.max_seqs, bandwidth, precision)),
     }
-    serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000")
+    serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000",
+                  *tokenizer.flags())
 
     def jobs(count: int) -> list[Job]:
         chosen = [rng.choice(pairs) for _ in range(count)]
-        return [Job([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(p)], o)
-                for p, o in chosen]
+        return [Job(tokenizer.prompt_ids(rng, p), o) for p, o in chosen]
 
     with running_stack("shm", timeout=900, peer_command="model-peer", peer_args=peer_args,
                        serve_args=serve_args) as stack:

@@ -86,6 +86,9 @@ def blink_plot(runs: list[dict[str, Any]], into: Path) -> Path:
             for ax, (key, _) in zip(axes, panels, strict=True):
                 ax.plot(rates, [p[key] for p in points], style, marker="o", color=color,
                         label=f"--scheduler {run['mode']}, {setting}")
+            if setting == "quiet" and all("own_steps_bound_tokens_per_s" in p for p in points):
+                axes[2].plot(rates, [p["own_steps_bound_tokens_per_s"] for p in points], ":",
+                             color=color, label=f"--scheduler {run['mode']}: bound of its steps")
     for ax, (key, label) in zip(axes, panels, strict=True):
         ax.set_xscale("log", base=2)
         if key != "output_tokens_per_s":
@@ -96,8 +99,13 @@ def blink_plot(runs: list[dict[str, Any]], into: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Scheduler inside the GPU vs host-driven loop, quiet and beside a CPU co-tenant")
-    return _save(fig, into / "blink_latency_vs_rate.png")
+    axes[2].legend(fontsize=7)
+    # A run of one of Blink's models (benchmarks/configs/NAME.json) is named after it.
+    config = str(runs[0].get("model config", ""))
+    name = Path(config).stem if config.endswith(".json") else ""
+    fig.suptitle("Scheduler inside the GPU vs host-driven loop, quiet and beside a CPU "
+                 f"co-tenant{': ' + name if name else ''}")
+    return _save(fig, into / f"blink_latency_vs_rate{'-' + name if name else ''}.png")
 
 
 def _save(fig: Any, path: Path) -> Path:

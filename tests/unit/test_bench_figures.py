@@ -5,12 +5,14 @@ same figures whichever scheduler ran the engine."""
 from __future__ import annotations
 
 import ctypes
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.model_figures import (
+    BenchTokenizer,
     Precision,
     bound_tokens_per_s,
     counter_deltas,
@@ -21,6 +23,7 @@ from benchmarks.model_figures import (
     load_config,
     own_bound_tokens_per_s,
     own_peer_flags,
+    run_bound,
     step_bytes,
     weight_bytes_read,
 )
@@ -28,6 +31,7 @@ from dpu_frontend.cli import MODEL_OPTIONS, build_parser
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.device.sched_core import ModelStats
 from dpu_frontend.model.sampling import VARIANTS
+from tests.assets import tokenizer_dir
 
 CONFIGS = Path(__file__).parent.parent.parent / "benchmarks" / "configs"
 QWEN3_8B = CONFIGS / "qwen3-8b.json"
@@ -274,3 +278,37 @@ def test_the_serving_benchmark_hands_its_precision_to_the_peer() -> None:
         own_peer_flags(None, "host", ["--quantization=fp8"])
     with pytest.raises(ValueError, match="pass --kv-cache-dtype to the benchmark"):
         own_peer_flags(None, "host", ["--kv-cache-dtype", "fp8"])
+
+
+def test_the_benchmark_tokenizer_fits_the_model() -> None:
+    """The bundled Qwen3 tokenizer serves Qwen3's shapes; Llama-3's vocabulary is smaller
+    and the benchmark says which tokenizer to pass; GPT-2's stands in for Phi-4's, and
+    the prompts' ids stay below its size."""
+    qwen = BenchTokenizer.load(None, ModelConfig.load(QWEN3_8B))
+    assert (qwen.size, qwen.flags()) == (151_669, [])
+    llama = ModelConfig.load(CONFIGS / "llama-3-8b.json")
+    with pytest.raises(ValueError, match=r"151669 ids, the model 128256: pass --tokenizer"):
+        BenchTokenizer.load(None, llama)
+    assert BenchTokenizer.load(tokenizer_dir("llama3_1"), llama).size == 128_256
+    gpt2 = BenchTokenizer.load(tokenizer_dir("gpt2"), ModelConfig.load(CONFIGS / "phi-4.json"))
+    assert gpt2.size == 50_257
+    assert gpt2.flags() == ["--tokenizer", str(tokenizer_dir("gpt2").resolve())]
+    ids = gpt2.prompt_ids(random.Random(1), 5000)
+    assert len(ids) == 5000 and min(ids) >= 100 and max(ids) < 50_257
+    assert max(qwen.prompt_ids(random.Random(1), 5000)) < 150_000
+
+
+def test_a_runs_bound_is_its_steps_with_either_scheduler() -> None:
+    """``run_bound`` is ``own_bound_tokens_per_s`` of the steps between two readings,
+    from the host engine's counters or the GPU scheduler's."""
+    qwen3_8b = ModelConfig.load(QWEN3_8B)
+    host = {"steps": 1000, "tokens": 64_000, "scheduled_tokens": 70_000,
+            "context_tokens": 30e6, "gpu_s": 9.0}
+    want = own_bound_tokens_per_s(qwen3_8b, 1000, 30e6, 64_000, BANDWIDTH)
+    zero = dict.fromkeys(host, 0)
+    assert run_bound(qwen3_8b, zero, host, BANDWIDTH) == pytest.approx(want)
+    gpu = {"scheduler": "gpu", "steps": 1000, "sampled": 64_000, "tokens": 70_000,
+           "context_tokens": 30e6, "ns_step": 9e9}
+    assert run_bound(qwen3_8b, {"scheduler": "gpu"}, gpu, BANDWIDTH) == pytest.approx(want)
+    assert run_bound(qwen3_8b, zero, {k: v for k, v in host.items()
+                                      if k != "context_tokens"}, BANDWIDTH) == 0.0
