@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from benchmarks.common import cpu_seconds, record
 from benchmarks.gpu_power import PowerSampler
 from benchmarks.interference import interference, parse_cores
@@ -55,7 +53,6 @@ from benchmarks.model_figures import (
     own_peer_flags,
     run_bound,
 )
-from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.config import PeerAddress
 from dpu_frontend.control.stats import peer_report
 from dpu_frontend.model.config import ModelConfig
@@ -144,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         own_flags = own_peer_flags(args.model_config, args.mode, [])
     except ValueError as exc:
         ap.error(str(exc))
+    # A run needs the GPU; --plot and --help do not.
+    import torch
+
+    from benchmarks.model_step import copy_bandwidth
+
     bandwidth = copy_bandwidth(torch.device("cuda", 0), size=2 << 30)
     daemon_cores, client_cores = parse_cores(args.daemon_cores), parse_cores(args.client_cores)
     host_cores = parse_cores(args.host_cores)

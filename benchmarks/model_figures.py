@@ -36,7 +36,7 @@ FP8_ELEMENT, SCALE_BYTES = 1, 4
 OWN_PEER_FLAGS = ("--model-config", "--scheduler", "--quantization", "--kv-cache-dtype",
                   "--tokenizer")
 #: Prompts are token ids drawn from here up to the tokenizer's size (past the ids of
-#: bytes and the commonest pieces, under every special token of the tokenizers used).
+#: bytes and the commonest pieces), none of them a special token.
 PROMPT_ID_LOW, PROMPT_ID_HIGH = 100, 150_000
 
 
@@ -118,6 +118,8 @@ class BenchTokenizer:
     path: Path | None
     size: int
     name: str
+    #: Its special tokens' ids (end of turn, ...), which no prompt holds.
+    special: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, path: Path | None, config: ModelConfig) -> BenchTokenizer:
@@ -131,15 +133,22 @@ class BenchTokenizer:
                 f"{config.vocab_size}: pass --tokenizer (Llama-3: build/assets/llama3_1; "
                 "a model whose tokenizer installs from no package: a smaller one, such as "
                 "GPT-2's build/assets/gpt2)")
-        return cls(path, size, str(path) if path else "the bundled Qwen3 tokenizer")
+        special = frozenset(i for i, t in vocab.tokenizer.get_added_tokens_decoder().items()
+                            if t.special)
+        return cls(path, size, str(path) if path else "the bundled Qwen3 tokenizer", special)
 
     def flags(self) -> list[str]:
         """``--tokenizer`` for the daemon and the peer, absolute (the peer runs elsewhere)."""
         return ["--tokenizer", str(self.path.resolve())] if self.path else []
 
     def prompt_ids(self, rng: random.Random, length: int) -> list[int]:
-        return [rng.randrange(PROMPT_ID_LOW, min(PROMPT_ID_HIGH, self.size))
-                for _ in range(length)]
+        high = min(PROMPT_ID_HIGH, self.size)
+        ids: list[int] = []
+        while len(ids) < length:
+            token = rng.randrange(PROMPT_ID_LOW, high)
+            if token not in self.special:
+                ids.append(token)
+        return ids
 
 
 def describe(config: ModelConfig) -> str:
@@ -209,12 +218,15 @@ def bound_tokens_per_s(config: ModelConfig, pairs: list[tuple[int, int]], batch:
 
 def own_bound_tokens_per_s(config: ModelConfig, steps: float, context_tokens: float,
                            tokens: float, bandwidth: float,
-                           precision: Precision = Precision()) -> float:
+                           precision: Precision = Precision(), rows: float | None = None) -> float:
     """Output tokens/s the copy bandwidth allows for the steps a run actually took:
     the weights once a step (``weight_bytes_read``), and the K and V of every position
     each step attended (the engine's ``context_tokens``), at their batch sizes, tail and
-    ramp included; a mixture of experts' at the run's mean batch (``experts_read``)."""
-    mean_batch = tokens / steps if steps else None
+    ramp included. A mixture of experts' weights at the run's mean rows a step
+    (``rows``, prompt rows included: they route too; else ``tokens``): an approximation.
+    Where the steps' sizes spread (a ramp, a tail), the mean's experts are more than the
+    steps' mean experts (the count is concave in the batch), so this bound is low."""
+    mean_batch = (rows if rows is not None else tokens) / steps if steps else None
     seconds = (steps * precision.weight_bytes(config, mean_batch)
                + context_tokens * precision.kv_bytes_per_token(config)) / bandwidth
     return tokens / seconds if seconds else 0.0
@@ -272,7 +284,7 @@ def run_bound(config: ModelConfig, before: Mapping[str, Any], after: Mapping[str
     if run.context is None:
         return 0.0
     return own_bound_tokens_per_s(config, run.steps, run.context, run.sampled, bandwidth,
-                                  precision)
+                                  precision, rows=run.scheduled)
 
 
 def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],

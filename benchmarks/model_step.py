@@ -60,6 +60,9 @@ def copy_bandwidth(device: torch.device, size: int = 4 << 30) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     del src, dst
+    # Give the buffers back to the GPU: a model peer started after this (model_serving,
+    # blink) sizes its KV cache from the free memory.
+    torch.cuda.empty_cache()
     return 2 * size / best
 
 

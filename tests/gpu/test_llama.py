@@ -94,6 +94,8 @@ def hf_llama(config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> Any
     hf_config = config_class(**{k: v for k, v in config_dict.items()
                                 if k not in ("architectures", "model_type")})
     hf_config._attn_implementation = "eager"
+    # MoE: the loop over the experts the engine's rounding follows (not grouped_mm).
+    hf_config._experts_implementation = "eager"
     with torch.device("cuda"):
         model = model_class(hf_config).to(torch.float32)
     missing, unexpected = model.load_state_dict(fused_experts(state), strict=False)

@@ -93,11 +93,12 @@ def test_smollm2_answers_through_the_daemon(smollm2_stack: Stack, smollm2_refere
             prompt = vocab.encode(template.render(messages))
             assert full.usage is not None and full.usage.prompt_tokens == len(prompt)
             theirs, margin = transformers_answer(smollm2_reference, prompt, eos)
-            ended = "length" if len(theirs) == ANSWER_TOKENS else "stop"
-            assert full.choices[0].finish_reason == ended, (question, text)
             expected = vocab.decode(theirs)
             # A divergence is excused only by a float32 tie on transformers' side.
             assert text == expected or margin < TIE_MARGIN, (question, text, expected, margin)
+            if text == expected:
+                ended = "length" if len(theirs) == ANSWER_TOKENS else "stop"
+                assert full.choices[0].finish_reason == ended, (question, text)
             print(f"{question!r} -> {text!r}" + ("" if text == expected else
                                                  f" (transformers: {expected!r}, tie {margin:.3g})"))
             answers.append(text)

@@ -102,6 +102,14 @@ def test_llama_3_1s_rope_scaling_is_read_from_either_layout() -> None:
     v5["rope_parameters"] = LLAMA_31_ROPE | {"rope_theta": 500000.0}
     assert ModelConfig.from_dict(v5, "cfg") == c
     assert ModelConfig.from_dict(LLAMA_3_8B, "cfg").rope_scaling is None
+    # The pretraining length as transformers takes it: the config's own first, then the
+    # entry's, then max_position_embeddings.
+    own = LLAMA_3_1_8B | {"original_max_position_embeddings": 4096}
+    assert ModelConfig.from_dict(own, "cfg").rope_scaling == Llama3Scaling(8.0, 1.0, 4.0, 4096)
+    bare = LLAMA_3_1_8B | {"rope_scaling": {k: v for k, v in LLAMA_31_ROPE.items()
+                                            if k != "original_max_position_embeddings"}}
+    assert ModelConfig.from_dict(bare, "cfg").rope_scaling == Llama3Scaling(8.0, 1.0, 4.0,
+                                                                            131072)
 
 
 @pytest.mark.parametrize(("rope", "message"), [

@@ -293,8 +293,9 @@ def test_the_benchmark_tokenizer_fits_the_model() -> None:
     gpt2 = BenchTokenizer.load(tokenizer_dir("gpt2"), ModelConfig.load(CONFIGS / "phi-4.json"))
     assert gpt2.size == 50_257
     assert gpt2.flags() == ["--tokenizer", str(tokenizer_dir("gpt2").resolve())]
-    ids = gpt2.prompt_ids(random.Random(1), 5000)
-    assert len(ids) == 5000 and min(ids) >= 100 and max(ids) < 50_257
+    ids = gpt2.prompt_ids(random.Random(1), 50_000)
+    assert len(ids) == 50_000 and min(ids) >= 100 and max(ids) < 50_257
+    assert 50_256 in gpt2.special and 50_256 not in ids  # <|endoftext|>
     assert max(qwen.prompt_ids(random.Random(1), 5000)) < 150_000
 
 

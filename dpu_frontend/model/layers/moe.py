@@ -20,10 +20,11 @@ fixed by the shape (no split-K), in a tile whose other rows are other tokens': a
 for ``linear``, the row's bits do not depend on them. A token's experts are summed
 in one order, its experts' ids, whatever else is in the batch.
 
-**Rounding** follows transformers' ``Qwen3MoeSparseMoeBlock``: each expert's output
-and its product with the (model-dtype) weight are rounded to the model dtype, and
-added in the model dtype, expert after expert in ascending id (its loop over the
-experts with ``index_add_``); the residual is added after, in the model dtype.
+**Rounding** follows transformers' ``Qwen3MoeSparseMoeBlock`` with its eager experts
+(the loop over the experts with ``index_add_``; ``_experts_implementation = "eager"``):
+each expert's output and its product with the (model-dtype) weight are rounded to the
+model dtype, and added in the model dtype, expert after expert in ascending id; the
+residual is added after, in the model dtype.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
     k = tl.arange(0, K_P2)
     ids = tl.zeros((K_P2,), dtype=tl.int32)
     top = tl.zeros((K_P2,), dtype=tl.float32)
-    left = tl.where(e < E, p, -1.0)
+    # A row of NaN or infinite logits (nothing a model should make) still picks k
+    # distinct ids below E, its weights NaN: the fault stays in its own row.
+    left = tl.where(e < E, tl.where(p == p, p, 0.0), -1.0)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
         pick = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)

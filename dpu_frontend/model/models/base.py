@@ -228,12 +228,18 @@ class Llama3Scaling:
     original_max_position: int
 
     @classmethod
-    def parse(cls, entry: dict[str, Any], key: str) -> Llama3Scaling:
-        """The fields of a ``llama3`` entry, checked (ValueError)."""
+    def parse(cls, entry: dict[str, Any], key: str, config: dict[str, Any]) -> Llama3Scaling:
+        """The fields of a ``llama3`` entry, checked (ValueError). The pretraining length
+        as transformers takes it: the config's own ``original_max_position_embeddings``
+        first, then the entry's, then ``max_position_embeddings``."""
+        original = config.get("original_max_position_embeddings",
+                              entry.get("original_max_position_embeddings",
+                                        config.get("max_position_embeddings")))
         try:
+            if original is None:
+                raise KeyError("original_max_position_embeddings")
             scaling = cls(float(entry["factor"]), float(entry["low_freq_factor"]),
-                          float(entry["high_freq_factor"]),
-                          int(entry["original_max_position_embeddings"]))
+                          float(entry["high_freq_factor"]), int(original))
         except KeyError as exc:
             raise ValueError(f"{key}: the llama3 scaling needs {exc}") from None
         if not (scaling.factor >= 1 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
@@ -275,7 +281,7 @@ def rope_settings(d: dict[str, Any]) -> Rope:
     theta = scaling.get("rope_theta", theta)
     kind = scaling.get("rope_type", scaling.get("type"))
     partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    llama3 = Llama3Scaling.parse(scaling, key) if kind == "llama3" else None
+    llama3 = Llama3Scaling.parse(scaling, key, d) if kind == "llama3" else None
     return Rope(10000.0 if theta is None else float(theta),
                 None if kind in (None, "default") else str(kind), partial, key, llama3)
 
