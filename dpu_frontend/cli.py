@@ -34,6 +34,7 @@ from dpu_frontend.logs import configure
 from dpu_frontend.model.options import ModelPeerOptions
 from dpu_frontend.settings import DEFAULT_PATH as DEFAULT_CONFIG
 from dpu_frontend.settings import SETTINGS, build
+from dpu_frontend.softroce.harness import MODES as SOFTROCE_MODES
 
 log = logging.getLogger("dpu_frontend")
 
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     softroce = sub.add_parser("softroce", help="run a command with a soft-RoCE device "
                                                "(natively, or in a micro-VM)")
-    softroce.add_argument("--mode", choices=("auto", "native", "vm"), default="auto")
+    softroce.add_argument("--mode", choices=SOFTROCE_MODES, default=SOFTROCE_MODES[0])
     softroce.add_argument("--timeout", type=int, default=3600, help="seconds, for the VM")
     softroce.add_argument("--memory", default="2G", help="VM memory")
     softroce.add_argument("--rwdir", action="append", default=[],

@@ -97,6 +97,9 @@ class LoggingConfig:
         _check_choice("log_format", self.format, LOG_FORMATS)
 
 
+REASONING_PARSERS = ("auto", "none", "qwen3")
+TOOL_CALL_PARSERS = ("auto", "none", "hermes")
+
 #: Settings the daemon and the peers share: one explanation for both sides' flags.
 _TRANSPORT = about("verbs (RDMA, the product) or shm (shared-memory twin)", choices=TRANSPORTS)
 _TOKENIZER = about("tokenizer.json or a directory holding it",
@@ -118,6 +121,14 @@ class ServeConfig:
     tokenizer: Path | None = field(default=None, metadata=_TOKENIZER)
     chat_template: Path | None = field(default=None, metadata=about(
         "a .jinja chat template", none="the tokenizer config's chat_template"))
+    reasoning_parser: str = field(default="auto", metadata=about(
+        "split chat answers' reasoning into reasoning_content: qwen3 (a <think> block), "
+        "none, or auto (qwen3 where the chat template writes </think>)",
+        choices=REASONING_PARSERS))
+    tool_call_parser: str = field(default="auto", metadata=about(
+        "parse tool calls out of chat answers for requests with tools: hermes "
+        "(<tool_call>{json}</tool_call>, Qwen3's and Hermes'), none, or auto (hermes where "
+        "the chat template writes <tool_call>)", choices=TOOL_CALL_PARSERS))
     max_model_len: int | None = field(default=None, metadata=about(
         "context length", none="the tokenizer config's model_max_length"))
     channel: int = field(default=-1, metadata=about(
@@ -224,6 +235,12 @@ class ServeConfig:
                 raise ValueError(f"auth_exempt_paths: {path!r} is not a path (starts with /)")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if not MIN_POLL_INTERVAL_S <= self.poll_interval_s <= 1:

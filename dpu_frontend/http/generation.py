@@ -34,6 +34,7 @@ from dpu_frontend.http.errors import (
 from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
+from dpu_frontend.text.chat_output import ChatOutputs
 
 log = logging.getLogger("dpu_frontend.http")
 
@@ -60,6 +61,9 @@ class Job:
     finish: dict[int, str] = field(default_factory=dict)
     error: bool = False
     client_gone: bool = False
+    #: A chat answer's split into reasoning, content and tool calls, where the request
+    #: and the daemon ask for one: every event is then shaped by it (no plain-text path).
+    outputs: ChatOutputs | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -110,6 +114,15 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         """Events sent before any generated text (chat: the role of each choice)."""
         return []
 
+    def outputs(self, req: Request, prompts: list[list[int]]) -> ChatOutputs | None:
+        """How the answers' text splits (chat: reasoning, tool calls); None: plain text."""
+        return None
+
+    def chunks(self, job: Job, delta: Delta) -> list[dict[str, Any]]:
+        """The streamed events of ``delta`` where ``job.outputs`` shapes them (any number,
+        none while text is held back)."""
+        return [self.chunk(job, delta)]
+
     @abc.abstractmethod
     def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
         """The non-streamed response body."""
@@ -140,7 +153,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                                       self.prompt_param)
         each_chunk = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         job = Job(f"{self.id_prefix}-{random_hex(32)}", int(time.time()), self.model_name,
-                  prompts, req.n, each_chunk, req.top_logprobs_wanted is not None)
+                  prompts, req.n, each_chunk, req.top_logprobs_wanted is not None,
+                  outputs=self.outputs(req, prompts))
         options = TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output,
                               req.skip_special_tokens)
         choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
@@ -259,6 +273,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
             return found
 
         plain = not job.usage_each_chunk
+        outputs = job.outputs
         async for batch in batches:
             events: list[bytes] = []
             try:
@@ -268,9 +283,12 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                     if delta.finish_reason is not None:
                         job.finish[delta.index] = delta.finish_reason
                     if (delta.finish_reason is None and plain and delta.text
-                            and not delta.logprobs):
+                            and not delta.logprobs
+                            and (outputs is None or outputs.passthrough(delta.index))):
                         before, after = template(delta.index)
                         events.append(before + _json_string(delta.text) + after)
+                    elif outputs is not None:
+                        events.extend(_event(c | usage()) for c in self.chunks(job, delta))
                     elif delta.text or delta.finish_reason or delta.logprobs:
                         events.append(_event(self.chunk(job, delta) | usage()))
             except Exception:
@@ -281,7 +299,8 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                 timer.on_write(batch[0].received)
                 # One awaited write a batch: aiohttp applies backpressure here.
                 await response.write(b"".join(events))
-                if direct is not None and plain and not direct.started:
+                if (direct is not None and plain and not direct.started
+                        and (outputs is None or outputs.passthrough(0))):
                     # After the first event, in order behind it: from here the events
                     # of plain-text deltas may go straight onto the connection.
                     direct.start(template(0))

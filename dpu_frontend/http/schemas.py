@@ -56,11 +56,9 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported; use n",
     "logit_bias": "logit_bias is not carried by the ring protocol",
     "suffix": "suffix (insertion) is not supported",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "the deprecated functions parameter is not supported; use tools",
+    "function_call": "the deprecated function_call parameter is not supported; use "
+                     "tool_choice",
     "response_format": "structured output is not supported",
     "guided_json": "structured output is not supported",
     "audio": "audio output is not supported",
@@ -70,8 +68,7 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
 }
 _OFF: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True,), "response_format": ({"type": "text"},),
+    "functions": ([],), "response_format": ({"type": "text"},),
     "modalities": (["text"],), "reasoning_effort": (),
 }
 
@@ -242,6 +239,40 @@ class _ChatRendering(_Strict):
         return self
 
 
+#: OpenAI's rule for a function's name.
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    #: The arguments' JSON Schema, given to the template as it is.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+#: tool_choice that would force a call: it needs the answer constrained to a call's
+#: JSON, which the GPU side does not do yet.
+_FORCED_CHOICE = ("tool_choice 'required' or a named function forces a call, which needs the "
+                  "answer constrained to it (structured output): not supported yet; use "
+                  "'auto'")
+
+
 class ChatCompletionRequest(SamplingFields, _ChatRendering):
     """``POST /v1/chat/completions``."""
 
@@ -250,6 +281,54 @@ class ChatCompletionRequest(SamplingFields, _ChatRendering):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description=(
         "most likely alternatives listed per token; needs logprobs: true"))
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(None, description=(
+        "functions the model may call: rendered by the chat template, the calls parsed "
+        "out of its answer"))
+    tool_choice: Literal["none", "auto"] | None = Field(None, description=(
+        "none: no call; auto (the default with tools): the model's choice. 'required' and "
+        "a named function ({type: function, function: {name}}) are refused for now"))
+    parallel_tool_calls: bool = Field(True, description="false: only the first call is returned")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_forced_tool_choice(cls, data: Any) -> Any:
+        """tool_choice 'required' or a named function: said apart (a 400 naming why),
+        though the schema takes none and auto only."""
+        if not isinstance(data, dict) or data.get("tool_choice") in (None, "none", "auto"):
+            return data
+        choice, tools = data["tool_choice"], data.get("tools")
+        names = {t.get("function", {}).get("name") for t in tools
+                 if isinstance(t, dict) and isinstance(t.get("function"), dict)} if isinstance(
+                     tools, list) else set()
+        try:
+            named = NamedToolChoice.model_validate(choice)
+        except ValidationError:
+            named = None
+        if named is not None and named.function.name not in names:
+            raise RequestError(f"tool_choice names '{named.function.name}', which is not in "
+                               "tools", param="tool_choice")
+        if choice == "required" and not tools:
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        if named is not None or choice == "required":
+            raise RequestError(_FORCED_CHOICE, param="tool_choice",
+                               code="unsupported_parameter")
+        return data
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+        return tools
+
+    @property
+    def tools_on(self) -> bool:
+        """Whether the template gets the tools and the answer is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()] if self.tools_on else None
 
     @field_validator("top_logprobs")
     @classmethod

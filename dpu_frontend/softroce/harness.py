@@ -114,6 +114,11 @@ def run_vm(argv: Sequence[str], *, timeout: int, memory: str, rwdirs: Sequence[s
         return proc.wait()
 
 
+#: ``dpu-frontend softroce --mode``: the first, natively where the kernel has rdma_rxe
+#: and in the micro-VM elsewhere, is the default.
+MODES = ("auto", "native", "vm")
+
+
 def run_cli(mode: str, argv: Sequence[str], *, timeout: int, memory: str,
             rwdirs: Sequence[str] = ()) -> int:
     argv = list(argv)

@@ -106,12 +106,15 @@ class ChatTemplate:
             raise StartupError(f"cannot read chat template {path}: {exc}") from exc
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False,
-               kwargs: dict[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for ``messages``; ``tools``: the request's, in OpenAI's shape
+        (``{"type": "function", "function": {...}}``), as transformers hands them to the
+        template."""
         if (key := reserved_kwarg(kwargs)) is not None:
             raise RequestError(f"chat_template_kwargs may not set '{key}': the template gets "
                                "it from the request", param="chat_template_kwargs")
-        if nesting_exceeds(messages) or nesting_exceeds(kwargs):
+        if nesting_exceeds(messages) or nesting_exceeds(kwargs) or nesting_exceeds(tools):
             raise TemplateRaised(f"chat template input is nested too deeply (more than "
                                  f"{MAX_NESTING} levels of arrays and objects)",
                                  param="messages", code="chat_template_error")
@@ -126,7 +129,8 @@ class ChatTemplate:
             messages = [*messages[:-1], {**messages[-1], "content": _OPENING}]
         context = {**self.special_tokens, **(kwargs or {})}
         try:
-            rendered = self._template.render(messages=messages, tools=None, documents=None,
+            rendered = self._template.render(messages=messages, tools=tools or None,
+                                             documents=None,
                                              add_generation_prompt=add_generation_prompt,
                                              **context)
         except jinja2.TemplateError as exc:

@@ -63,6 +63,41 @@ def test_tokenizer_templates_match_hugging_face(name: str, messages: list[dict[s
                              add_generation_prompt=add_generation_prompt)
 
 
+#: OpenAI's shape of a tool, as the request gives it and transformers passes it on.
+WEATHER_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city"]}}}
+#: A turn with a tool call (arguments as OpenAI sends them back: a JSON string), the
+#: tool's answer, and the model's reasoning kept in the history.
+TOOL_TURNS: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {
+         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'},
+]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
+@pytest.mark.parametrize("messages", [TOOL_TURNS[:1], TOOL_TURNS], ids=["ask", "answered"])
+def test_tools_and_tool_turns_render_as_hugging_face(name: str,
+                                                     messages: list[dict[str, Any]]) -> None:
+    """The request's tools reach the template (its tools block), and assistant turns with
+    tool calls and tool results go back into it, as transformers renders them."""
+    v = vocab(name)
+    template = load_chat_template(v, None)
+    assert template is not None
+    ours = template.render(messages, tools=[WEATHER_TOOL])
+    assert ours == reference(template.source, v, messages, tools=[WEATHER_TOOL],
+                             add_generation_prompt=True)
+    if "tools" in template.source:  # Qwen3's has a tools block; npm's Llama-3.1 copy none
+        assert "get_weather" in ours
+        assert template.render(messages[:1]) != template.render(messages[:1],
+                                                                tools=[WEATHER_TOOL])
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama3_1"])
 def test_continue_final_message_matches_hugging_face(name: str) -> None:
     v = vocab(name)

@@ -79,12 +79,46 @@ def test_chat_specifics() -> None:
     assert chat(max_tokens=5).max_new_tokens == 5
     with pytest.raises(RequestError, match="exclusive"):
         chat(add_generation_prompt=True, continue_final_message=True)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(RequestError, match=r"tools\.0\.function: Field required") as info:
         chat(tools=[{"type": "function"}])
-    assert info.value.param == "tools" and info.value.code == "unsupported_parameter"
+    assert info.value.param == "tools"
     parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                          {"type": "text", "text": "b"}]}])
     assert parts.messages[0].for_template() == {"role": "user", "content": "ab"}
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_are_taken_and_what_cannot_be_honoured_is_refused() -> None:
+    req = chat(tools=[TOOL])
+    assert req.tools_on and req.tools_for_template() == [TOOL]
+    assert chat(tools=[TOOL], tool_choice="auto", parallel_tool_calls=False).tools_on
+    # none: the template gets no tools and the answer is not parsed for calls.
+    assert not chat(tools=[TOOL], tool_choice="none").tools_on
+    assert chat(tools=[TOOL], tool_choice="none").tools_for_template() is None
+    assert not chat(tool_choice="auto").tools_on
+    for choice, message in [
+            ("required", "forces a call"),
+            ({"type": "function", "function": {"name": "get_weather"}}, "forces a call"),
+            ({"type": "function", "function": {"name": "other"}}, "names 'other'"),
+            ("sometimes", "tool_choice")]:
+        with pytest.raises(RequestError, match=message) as info:
+            chat(tools=[TOOL], tool_choice=choice)
+        assert info.value.param == "tool_choice"
+    with pytest.raises(RequestError, match="needs tools"):
+        chat(tool_choice="required")
+    with pytest.raises(RequestError, match="same name") as info:
+        chat(tools=[TOOL, TOOL])
+    assert info.value.param == "tools"
+    with pytest.raises(RequestError, match="pattern") as info:
+        chat(tools=[{"type": "function", "function": {"name": "no spaces"}}])
+    assert info.value.param == "tools"
+    for deprecated in ({"functions": [{"name": "f"}]}, {"function_call": "auto"}):
+        with pytest.raises(RequestError, match="deprecated") as info:
+            chat(**deprecated)
+        assert info.value.code == "unsupported_parameter"
 
 
 def test_body_must_be_a_json_object() -> None:

@@ -1,0 +1,248 @@
+"""A chat answer's text split into what OpenAI's API returns apart: the reasoning
+(``reasoning_content``, Qwen3's ``<think>`` block), the content, and tool calls
+(Qwen3's and Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
+
+One pass over the detokenized text, after the stop strings, fed in pieces as they
+arrive: text that could still become a tag is held back (as the stop matcher holds
+a stop string's start), so a tag split across tokens, or at the first or last token,
+is found all the same, and the pieces of a streamed answer add up to the unstreamed
+answer whatever the cuts. Pure: text in, pieces out.
+
+- **Reasoning.** Where the template opened a ``<think>`` block at the end of the
+  prompt, the answer starts inside it; otherwise a ``<think>`` at the very start
+  opens it. Up to ``</think>`` is reasoning, the rest content (as vLLM's ``qwen3``
+  reasoning parser and DeepSeek's API split it). Newlines right after either tag are
+  dropped. An answer cut short inside the block is all reasoning.
+- **Tool calls.** Each ``<tool_call>`` block's JSON object is a call once its
+  ``</tool_call>`` arrives; a block whose JSON is not a call (not JSON, no string
+  ``name``, ``arguments`` neither an object nor a string), or is never closed, is
+  returned as content, tags included. Whitespace between and after calls is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    #: The arguments as a JSON text (OpenAI's ``function.arguments``).
+    arguments: str
+
+
+@dataclass(slots=True)
+class ChatPiece:
+    """What a piece of an answer's text turned into."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def extend(self, other: ChatPiece) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+
+class _State(Enum):
+    START = "start"  # nothing yet: a <think> may open the answer
+    REASONING = "reasoning"
+    CONTENT = "content"
+    TOOL = "tool"  # inside <tool_call>: held until it closes
+
+
+def _partial(buffer: str, tag: str) -> int:
+    """The length of the longest end of ``buffer`` that begins ``tag`` (and is shorter)."""
+    for k in range(min(len(buffer), len(tag) - 1), 0, -1):
+        if tag.startswith(buffer[-k:]):
+            return k
+    return 0
+
+
+def parse_tool_call(body: str) -> ToolCall | None:
+    """A ``<tool_call>`` block's text as a call, or None where it is not one."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        return ToolCall(value["name"], arguments)
+    if isinstance(arguments, dict):
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return None
+
+
+class ChatOutputParser:
+    """One answer's text, in pieces. ``reasoning``: split off Qwen3's ``<think>`` block,
+    ``thinking``: the prompt ends inside one; ``tools``: parse tool calls."""
+
+    def __init__(self, *, reasoning: bool, tools: bool, thinking: bool = False) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        if reasoning and thinking:
+            self._state = _State.REASONING
+        else:
+            self._state = _State.START if reasoning else _State.CONTENT
+        self._held = ""  # text that may still be a tag's beginning (or a call's body)
+        self._trim = reasoning and thinking  # drop newlines before the next text
+        self._calls = 0
+        self._spaces = ""  # whitespace after a call, dropped unless text follows
+
+    @property
+    def called(self) -> bool:
+        """Whether a tool call has been returned."""
+        return self._calls > 0
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether the rest of the text is content as it comes (no reasoning to split,
+        no calls to look for, nothing held): the caller may skip ``feed``."""
+        return (self._state is _State.CONTENT and not self.tools and not self._held
+                and not self._trim)
+
+    def feed(self, text: str) -> ChatPiece:
+        out = ChatPiece()
+        buffer, self._held = self._held + text, ""
+        while buffer:
+            buffer = self._step(buffer, out)
+        return out
+
+    def flush(self) -> ChatPiece:
+        """The end of the answer: what was held back goes where its state says."""
+        out = ChatPiece()
+        held, self._held = self._held, ""
+        if self._state is _State.START:
+            self._state = _State.CONTENT
+        if self._state is _State.REASONING:
+            self._emit_reasoning(held, out)
+        elif self._state is _State.TOOL:
+            self._emit_content(TOOL_START + held, out)  # never closed: not a call
+        else:
+            self._emit_content(held, out)
+        self._spaces = ""
+        return out
+
+    def _step(self, buffer: str, out: ChatPiece) -> str:
+        """Consume the start of ``buffer``; return what is left to consume (holding back
+        what cannot be placed yet sets ``_held`` and returns "")."""
+        state = self._state
+        if state is _State.START:
+            if buffer.startswith(THINK_START):
+                self._state, self._trim = _State.REASONING, True
+                return buffer[len(THINK_START):]
+            if THINK_START.startswith(buffer):
+                self._held = buffer
+                return ""
+            self._state = _State.CONTENT
+            return buffer
+        if state is _State.REASONING:
+            at = buffer.find(THINK_END)
+            if at != -1:
+                self._emit_reasoning(buffer[:at], out)
+                self._state, self._trim = _State.CONTENT, True
+                return buffer[at + len(THINK_END):]
+            keep = _partial(buffer, THINK_END)
+            self._emit_reasoning(buffer[:len(buffer) - keep], out)
+            self._held = buffer[len(buffer) - keep:]
+            return ""
+        if state is _State.TOOL:
+            at = buffer.find(TOOL_END)
+            if at == -1:
+                self._held = buffer
+                return ""
+            body = buffer[:at]
+            call = parse_tool_call(body)
+            if call is None:
+                self._emit_content(TOOL_START + body + TOOL_END, out)
+            else:
+                out.tool_calls.append(call)
+                self._calls += 1
+                self._spaces = ""
+            self._state = _State.CONTENT
+            return buffer[at + len(TOOL_END):]
+        # Content.
+        if not self.tools:
+            self._emit_content(buffer, out)
+            return ""
+        at = buffer.find(TOOL_START)
+        if at != -1:
+            self._emit_content(buffer[:at], out)
+            if self._calls:
+                self._spaces = ""  # whitespace between two calls
+            self._state = _State.TOOL
+            return buffer[at + len(TOOL_START):]
+        keep = _partial(buffer, TOOL_START)
+        self._emit_content(buffer[:len(buffer) - keep], out)
+        self._held = buffer[len(buffer) - keep:]
+        return ""
+
+    def _emit_reasoning(self, text: str, out: ChatPiece) -> None:
+        if self._trim:
+            text = text.lstrip("\n")
+            self._trim = not text
+        out.reasoning += text
+
+    def _emit_content(self, text: str, out: ChatPiece) -> None:
+        if self._trim:
+            text = text.lstrip("\n")
+            self._trim = not text
+        if self._calls:
+            # After a call, whitespace waits for text to follow it.
+            text = self._spaces + text
+            if not text.strip():
+                self._spaces = text
+                return
+            self._spaces = ""
+        out.content += text
+
+
+class ChatOutputs:
+    """The parsers of one request's choices, made as each choice's first text arrives.
+    ``parallel`` False: a choice returns its first call only (OpenAI's
+    ``parallel_tool_calls: false``)."""
+
+    def __init__(self, *, reasoning: bool, tools: bool, thinking: bool,
+                 parallel: bool = True) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self._thinking = thinking
+        self._parallel = parallel
+        self._parsers: dict[int, ChatOutputParser] = {}
+        #: Calls returned so far, by choice: the next call's ``index``.
+        self.calls: dict[int, int] = {}
+
+    def feed(self, index: int, text: str, *, final: bool) -> ChatPiece:
+        """Choice ``index``'s next text; ``final``: its last (what was held comes out)."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = ChatOutputParser(
+                reasoning=self.reasoning, tools=self.tools, thinking=self._thinking)
+        piece = parser.feed(text)
+        if final:
+            piece.extend(parser.flush())
+        if piece.tool_calls and not self._parallel:
+            piece.tool_calls = piece.tool_calls[:max(0, 1 - self.calls.get(index, 0))]
+        self.calls[index] = self.calls.get(index, 0) + len(piece.tool_calls)
+        return piece
+
+    def passthrough(self, index: int) -> bool:
+        """Whether choice ``index``'s next text is content as it comes (its parser has
+        seen the answer's start and has nothing to look for)."""
+        parser = self._parsers.get(index)
+        return parser is not None and parser.passthrough
+
+    def finish_reason(self, index: int, reason: str) -> str:
+        """``tool_calls`` for a choice that stopped after calling; else ``reason``."""
+        return "tool_calls" if reason == "stop" and self.calls.get(index) else reason
