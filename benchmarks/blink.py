@@ -31,7 +31,6 @@ a smaller one (GPT-2's), as the results record.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cpu_seconds, record
+from benchmarks.common import cpu_seconds, engine_counters, record
 from benchmarks.gpu_power import PowerSampler
 from benchmarks.interference import interference, parse_cores
 from benchmarks.loadgen import Job, percentile, run
@@ -54,7 +53,6 @@ from benchmarks.model_figures import (
     run_bound,
 )
 from dpu_frontend.config import PeerAddress
-from dpu_frontend.control.stats import peer_report
 from dpu_frontend.model.config import ModelConfig
 from tests.stack import running_stack
 
@@ -63,11 +61,6 @@ def pin(pid: int, cores: list[int]) -> None:
     """Every thread of ``pid`` onto ``cores`` (taskset -a: threads started before, too)."""
     subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, cores)), str(pid)],
                    check=True, capture_output=True)
-
-
-def engine_counters(address: PeerAddress) -> dict[str, Any]:
-    kernel: dict[str, Any] = asyncio.run(peer_report(address))["kernel"]
-    return kernel
 
 
 @dataclass(frozen=True, slots=True)

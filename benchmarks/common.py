@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,6 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from dpu_frontend.config import PeerAddress
+from dpu_frontend.control.stats import peer_report
 
 RESULTS = Path(os.environ.get("DPU_FRONTEND_BENCH_OUT", "build/benchmarks.jsonl"))
 
@@ -27,6 +31,12 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return own + sum(cpu_seconds(int(child)) for child in children)
+
+
+def engine_counters(address: PeerAddress) -> dict[str, Any]:
+    """A model peer's engine counters (its ``peer-stats`` report's ``kernel``)."""
+    kernel: dict[str, Any] = asyncio.run(peer_report(address))["kernel"]
+    return kernel
 
 
 def rss_bytes(pid: int) -> int:

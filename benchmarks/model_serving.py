@@ -28,16 +28,14 @@ the scheduler kernel's pass (gpu). Every bound is the model config's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from benchmarks.common import cpu_seconds, py_spy, record
+from benchmarks.common import cpu_seconds, engine_counters, py_spy, record
 from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_figures import (
     BenchTokenizer,
@@ -49,15 +47,8 @@ from benchmarks.model_figures import (
     own_peer_flags,
 )
 from benchmarks.model_step import copy_bandwidth
-from dpu_frontend.config import PeerAddress
-from dpu_frontend.control.stats import peer_report
 from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULERS
 from tests.stack import running_stack
-
-
-def engine_counters(address: PeerAddress) -> dict[str, Any]:
-    kernel: dict[str, Any] = asyncio.run(peer_report(address))["kernel"]
-    return kernel
 
 
 def main(argv: list[str] | None = None) -> int:
