@@ -297,8 +297,9 @@ class ChatCompletionRequest(SamplingFields, _ChatRendering):
         if not isinstance(data, dict) or data.get("tool_choice") in (None, "none", "auto"):
             return data
         choice, tools = data["tool_choice"], data.get("tools")
-        names = {t.get("function", {}).get("name") for t in tools
-                 if isinstance(t, dict) and isinstance(t.get("function"), dict)} if isinstance(
+        names = {t["function"].get("name") for t in tools
+                 if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                 and isinstance(t["function"].get("name"), str)} if isinstance(
                      tools, list) else set()
         try:
             named = NamedToolChoice.model_validate(choice)
@@ -313,14 +314,6 @@ class ChatCompletionRequest(SamplingFields, _ChatRendering):
             raise RequestError(_FORCED_CHOICE, param="tool_choice",
                                code="unsupported_parameter")
         return data
-
-    @field_validator("tools")
-    @classmethod
-    def _check_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        names = [t.function.name for t in tools or ()]
-        if len(set(names)) != len(names):
-            raise ValueError("two tools have the same name")
-        return tools
 
     @property
     def tools_on(self) -> bool:

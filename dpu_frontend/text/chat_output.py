@@ -15,8 +15,9 @@ answer whatever the cuts. Pure: text in, pieces out.
   dropped. An answer cut short inside the block is all reasoning.
 - **Tool calls.** Each ``<tool_call>`` block's JSON object is a call once its
   ``</tool_call>`` arrives; a block whose JSON is not a call (not JSON, no string
-  ``name``, ``arguments`` neither an object nor a string), or is never closed, is
-  returned as content, tags included. Whitespace between and after calls is dropped.
+  ``name``, ``arguments`` neither an object nor a string holding one), or is never
+  closed, is returned as content, tags included. Arguments are returned as the JSON
+  text of their object. Whitespace between and after calls is dropped.
 """
 
 from __future__ import annotations
@@ -69,19 +70,24 @@ def _partial(buffer: str, tag: str) -> int:
 
 
 def parse_tool_call(body: str) -> ToolCall | None:
-    """A ``<tool_call>`` block's text as a call, or None where it is not one."""
+    """A ``<tool_call>`` block's text as a call, or None where it is not one: not a JSON
+    object (nested too deeply to parse counts), no string ``name``, ``arguments`` (or
+    ``parameters``) neither an object nor a string holding one, or a string no UTF-8
+    can carry (a lone surrogate escape)."""
     try:
         value = json.loads(body)
-    except ValueError:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            return None
+        call = ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        (call.name + call.arguments).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        return ToolCall(value["name"], arguments)
-    if isinstance(arguments, dict):
-        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-    return None
+    return call
 
 
 class ChatOutputParser:
@@ -199,12 +205,12 @@ class ChatOutputParser:
             text = text.lstrip("\n")
             self._trim = not text
         if self._calls:
-            # After a call, whitespace waits for text to follow it.
+            # After a call, trailing whitespace waits for text to follow it (dropped
+            # before the next call and at the end), however the text is cut.
             text = self._spaces + text
-            if not text.strip():
-                self._spaces = text
-                return
-            self._spaces = ""
+            kept = text.rstrip()
+            self._spaces = text[len(kept):]
+            text = kept
         out.content += text
 
 

@@ -57,9 +57,19 @@ CASES = [
     (f"Let me check.\n<tool_call>{WEATHER}</tool_call>", {},
      ChatPiece("", "Let me check.\n", [
          ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')])),
-    # Arguments given as a JSON string pass as they are.
-    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', {},
+    # Arguments given as a JSON string: the object it holds.
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\":1}"}</tool_call>', {},
      ChatPiece("", "", [ToolCall("f", '{"x": 1}')])),
+    ('<tool_call>{"name": "f", "arguments": "not json"}</tool_call>', {},
+     ChatPiece("", '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>')),
+    # Too deep to parse, or a lone surrogate: not a call.
+    ("<tool_call>" + "[" * 5000 + "</tool_call>", {},
+     ChatPiece("", "<tool_call>" + "[" * 5000 + "</tool_call>")),
+    ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>', {},
+     ChatPiece("", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>')),
+    # Text between calls keeps its inner spaces, never the trailing ones.
+    (f"<tool_call>{TIME}</tool_call> mid <tool_call>{TIME}</tool_call>", {},
+     ChatPiece("", " mid", [ToolCall("get_time", '{"zone": "CET"}')] * 2)),
     # Malformed: not JSON, no name, arguments a number, never closed: content.
     ("<tool_call>{not json}</tool_call>", {}, ChatPiece("", "<tool_call>{not json}</tool_call>")),
     ('<tool_call>{"arguments": {}}</tool_call>', {},
@@ -98,7 +108,7 @@ def test_any_cuts_give_the_whole_answer(case: tuple[str, dict[str, bool], ChatPi
 
 
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "x", "<", "</",
-        "<tool_", WEATHER, "{", "}", '"name"']
+        "<tool_", WEATHER, "{", "}", '"name"', " mid ", f"<tool_call>{TIME}</tool_call>"]
 
 
 @settings(max_examples=300, deadline=None)
