@@ -131,7 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cores", default="1",
                     help="this process's (the clients') and the peer's")
     args = ap.parse_args(argv)
+    cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, parse_cores(args.client_cores))
+    try:
+        run(args)
+    finally:
+        os.sched_setaffinity(0, cores)
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
     bare = run_load(Load(SATURATED_STREAMS, 0), "replay", args.step_ms, args.daemon_core,
                     args.settle, args.seconds)
     figures: dict[str, object] = {
@@ -153,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{f.events / f.seconds:.0f}, {f.us_per_event:.1f} "
                 f"({f.us_per_event / bare.us_per_event:.1f}x), {f.cores:.1%}")
     record("light_load", figures)
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ on its own. They assert what was delivered and recorded, never how fast."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 
-from benchmarks import common, frontend_load, frontend_scaling, idle_cost
+from benchmarks import common, frontend_load, frontend_scaling, idle_cost, light_load
 from benchmarks.loadgen import Job, Result, full_batch_tokens_per_s, run, schedule, summary
 from tests.stack import Stack
 
@@ -52,6 +53,19 @@ def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert idle_cost.main(["--streams", "20", "--seconds", "0.3"]) == 0
     entry = json.loads((tmp_path / "results.jsonl").read_text())
     assert entry["benchmark"] == "idle_cost" and entry["streams open"] == 20
+
+
+def test_the_light_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks.light_load for a moment: the saturated figure, then one load paced in
+    replay and in steps, each measured and recorded; this process's cores as before."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
+    cores = os.sched_getaffinity(0)
+    assert light_load.main(["--loads", "4x20", "--seconds", "0.5", "--settle", "0.3"]) == 0
+    assert os.sched_getaffinity(0) == cores
+    entry = json.loads((tmp_path / "results.jsonl").read_text())
+    assert entry["benchmark"] == "light_load"
+    assert any(k.startswith("4 x 20 tokens/s (replay)") for k in entry)
+    assert any(k.startswith("4 streams, a 20 ms step") for k in entry)
 
 
 def test_the_frontend_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
