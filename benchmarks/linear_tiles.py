@@ -104,11 +104,14 @@ class Shape:
 
 
 def shapes(config: ModelConfig) -> list[Shape]:
+    """The model's products that ``linear`` runs: a mixture of experts' MLP is the
+    router's (the experts' products are ``layers.moe``'s grouped GEMM, not these)."""
     c = config
+    mlp = ([Shape("router", c.moe.num_experts, c.hidden_size)] if c.moe is not None else
+           [Shape("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
+            Shape("down", c.hidden_size, c.intermediate_size, residual=True)])
     return [Shape("qkv", c.q_size + 2 * c.kv_size, c.hidden_size),
-            Shape("o_proj", c.hidden_size, c.q_size, residual=True),
-            Shape("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
-            Shape("down", c.hidden_size, c.intermediate_size, residual=True),
+            Shape("o_proj", c.hidden_size, c.q_size, residual=True), *mlp,
             Shape("lm_head", c.vocab_size, c.hidden_size, out_dtype=torch.float32)]
 
 

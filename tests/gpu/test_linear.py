@@ -27,8 +27,10 @@ PROBES = (0, 0.5, 1.0)
 
 def model_shapes() -> list[Shape]:
     """Each linear of Qwen3-0.6B and of Qwen3-8B, as the model calls it (the LM heads to
-    float32, the 8B's with TMA tiles past 64 rows)."""
-    return shapes(ModelConfig.default()) + shapes(ModelConfig.load(CONFIGS / "qwen3-8b.json"))
+    float32, the 8B's with TMA tiles past 64 rows), and Qwen3-30B-A3B's router."""
+    moe = ModelConfig.load(CONFIGS / "qwen3-30b-a3b.json")
+    return (shapes(ModelConfig.default()) + shapes(ModelConfig.load(CONFIGS / "qwen3-8b.json"))
+            + [s for s in shapes(moe) if s.name == "router"])
 
 
 def call(shape: Shape, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
