@@ -98,7 +98,7 @@ class LoggingConfig:
 
 
 REASONING_PARSERS = ("auto", "none", "qwen3")
-TOOL_CALL_PARSERS = ("auto", "none", "hermes")
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json")
 
 #: Settings the daemon and the peers share: one explanation for both sides' flags.
 _TRANSPORT = about("verbs (RDMA, the product) or shm (shared-memory twin)", choices=TRANSPORTS)
@@ -127,8 +127,10 @@ class ServeConfig:
         choices=REASONING_PARSERS))
     tool_call_parser: str = field(default="auto", metadata=about(
         "parse tool calls out of chat answers for requests with tools: hermes "
-        "(<tool_call>{json}</tool_call>, Qwen3's and Hermes'), none, or auto (hermes where "
-        "the chat template writes <tool_call>)", choices=TOOL_CALL_PARSERS))
+        "(<tool_call>{json}</tool_call>, Qwen3's and Hermes'), llama3_json (an answer of "
+        "JSON calls, Llama 3.1's), none, or auto (hermes where the chat template writes "
+        "<tool_call>, llama3_json where it writes <|python_tag|>)",
+        choices=TOOL_CALL_PARSERS))
     max_model_len: int | None = field(default=None, metadata=about(
         "context length", none="the tokenizer config's model_max_length"))
     channel: int = field(default=-1, metadata=about(

@@ -12,7 +12,13 @@ from dpu_frontend.http.errors import random_hex
 from dpu_frontend.http.generation import GenerationHandler, Job, envelope
 from dpu_frontend.http.logprobs import chat_logprobs
 from dpu_frontend.http.schemas import ChatCompletionRequest, ChatMessage
-from dpu_frontend.text.chat_output import THINK_END, THINK_START, TOOL_START, ChatOutputs
+from dpu_frontend.text.chat_output import (
+    PYTHON_TAG,
+    THINK_END,
+    THINK_START,
+    TOOL_START,
+    ChatOutputs,
+)
 from dpu_frontend.text.chat_template import ChatTemplate
 
 
@@ -32,10 +38,20 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
         return flag == "qwen3" or (flag == "auto" and THINK_END in self._template_source)
 
     @functools.cached_property
-    def tool_calls(self) -> bool:
-        """Requests with tools get their <tool_call> blocks parsed."""
+    def tool_syntax(self) -> str | None:
+        """How requests with tools get their calls parsed: hermes (<tool_call> blocks),
+        llama3_json (an answer of JSON calls), or None (not at all)."""
         flag = self.service.config.tool_call_parser
-        return flag == "hermes" or (flag == "auto" and TOOL_START in self._template_source)
+        if flag != "auto":
+            return None if flag == "none" else flag
+        source = self._template_source
+        if TOOL_START in source:
+            return "hermes"
+        return "llama3_json" if PYTHON_TAG in source else None
+
+    @property
+    def tool_calls(self) -> bool:
+        return self.tool_syntax is not None
 
     @property
     def _template_source(self) -> str:
@@ -46,7 +62,8 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
         if req.tools_on and not self.tool_calls:
             raise RequestError("tools: this model's chat template writes no tool-call syntax "
                                "the daemon parses (start it with --tool-call-parser hermes "
-                               "where the model writes <tool_call>{json}</tool_call>)",
+                               "where the model writes <tool_call>{json}</tool_call>, "
+                               "llama3_json where it answers with JSON calls)",
                                param="tools", code="unsupported_parameter")
         text = await self.service.off_loop(
             render, self.service.chat_template, req.messages, req.add_generation_prompt,
@@ -75,7 +92,8 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
         tail = self.service.vocab.decode(prompts[0][-8:], skip_special_tokens=False)
         return ChatOutputs(reasoning=self.reasoning, tools=tools,
                            thinking=self.reasoning and tail.rstrip().endswith(THINK_START),
-                           parallel=req.parallel_tool_calls)
+                           parallel=req.parallel_tool_calls,
+                           syntax=self.tool_syntax or "hermes")
 
     def chunk(self, job: Job, delta: Delta) -> dict[str, Any]:
         message = {"content": delta.text} if delta.text else {}

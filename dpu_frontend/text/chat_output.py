@@ -1,6 +1,7 @@
 """A chat answer's text split into what OpenAI's API returns apart: the reasoning
 (``reasoning_content``, Qwen3's ``<think>`` block), the content, and tool calls
-(Qwen3's and Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``).
+(Qwen3's and Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, or
+Llama 3.1's answer of JSON calls: ``JsonCallParser``).
 
 One pass over the detokenized text, after the stop strings, fed in pieces as they
 arrive: text that could still become a tag is held back (as the stop matcher holds
@@ -28,6 +29,8 @@ from enum import Enum
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+#: Llama 3.1's template writes it before a call (the detokenizer drops it as special).
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,18 +217,81 @@ class ChatOutputParser:
         out.content += text
 
 
+class JsonCallParser:
+    """Llama 3.1's tool calls (``llama3_json``): an answer that is, whole, one or more
+    JSON objects ``{"name": ..., "parameters": {...}}`` (separated by ``;``, after the
+    ``<|python_tag|>`` the detokenizer drops as special) is calls; any other is content.
+    An answer whose first text (past whitespace) is ``{`` is held to its end to be told;
+    others pass as they come."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._json: bool | None = None  # undecided until the first text
+
+    @property
+    def called(self) -> bool:
+        return False  # counted by ChatOutputs
+
+    @property
+    def passthrough(self) -> bool:
+        return self._json is False
+
+    def feed(self, text: str) -> ChatPiece:
+        if self._json is False:
+            return ChatPiece(content=text)
+        self._held += text
+        start = self._held.lstrip()
+        if self._json is None and start:
+            self._json = start.startswith("{")
+            if not self._json:
+                held, self._held = self._held, ""
+                return ChatPiece(content=held)
+        return ChatPiece()
+
+    def flush(self) -> ChatPiece:
+        held, self._held = self._held, ""
+        if not self._json:
+            return ChatPiece(content=held)
+        calls = parse_json_calls(held)
+        return ChatPiece(tool_calls=calls) if calls else ChatPiece(content=held)
+
+
+def parse_json_calls(text: str) -> list[ToolCall]:
+    """Llama 3.1's calls in ``text``: JSON objects separated by ``;`` and whitespace,
+    each a call (``parse_tool_call``); none if any part is not."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    at = 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return calls
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return []
+        call = parse_tool_call(text[at:end])
+        if call is None:
+            return []
+        calls.append(call)
+        at = end
+
+
 class ChatOutputs:
     """The parsers of one request's choices, made as each choice's first text arrives.
     ``parallel`` False: a choice returns its first call only (OpenAI's
     ``parallel_tool_calls: false``)."""
 
     def __init__(self, *, reasoning: bool, tools: bool, thinking: bool,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, syntax: str = "hermes") -> None:
         self.reasoning = reasoning
         self.tools = tools
         self._thinking = thinking
         self._parallel = parallel
-        self._parsers: dict[int, ChatOutputParser] = {}
+        #: The calls' syntax: hermes (<tool_call> blocks) or llama3_json (a JSON answer).
+        self._json = tools and syntax == "llama3_json"
+        self._parsers: dict[int, ChatOutputParser | JsonCallParser] = {}
         #: Calls returned so far, by choice: the next call's ``index``.
         self.calls: dict[int, int] = {}
 
@@ -233,8 +299,9 @@ class ChatOutputs:
         """Choice ``index``'s next text; ``final``: its last (what was held comes out)."""
         parser = self._parsers.get(index)
         if parser is None:
-            parser = self._parsers[index] = ChatOutputParser(
-                reasoning=self.reasoning, tools=self.tools, thinking=self._thinking)
+            parser = self._parsers[index] = JsonCallParser() if self._json else (
+                ChatOutputParser(reasoning=self.reasoning, tools=self.tools,
+                                 thinking=self._thinking))
         piece = parser.feed(text)
         if final:
             piece.extend(parser.flush())

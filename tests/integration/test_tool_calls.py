@@ -187,3 +187,30 @@ def test_a_template_without_tool_syntax_refuses_tools(tmp_path: Path) -> None:
         full = c.chat.completions.create(model=MODEL, messages=ask(THINKING + "x"))
         assert full.choices[0].message.content == THINKING + "x"
         assert "reasoning_content" not in (full.choices[0].message.model_extra or {})
+
+
+def test_llama_3_1s_json_calls_where_the_template_writes_its_tag(tmp_path: Path) -> None:
+    """A template that writes <|python_tag|> (Llama 3.1's) gets llama3_json by auto: an
+    answer of JSON calls is calls, streamed and not; any other answer is content."""
+    template = tmp_path / "llama.jinja"
+    template.write_text("{# a call follows <|python_tag|> #}" + VERBATIM)
+    calls = ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+             '{"name": "get_time", "parameters": {}}')
+    with running_stack("shm", mode="echo", timeout=120,
+                       serve_args=("--chat-template", str(template))) as s, \
+            OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0) as c:
+        full = c.chat.completions.create(model=MODEL, messages=ask(calls), tools=TOOLS)
+        assert full.choices[0].finish_reason == "tool_calls"
+        message = full.choices[0].message
+        assert message.content is None and message.tool_calls is not None
+        assert [(t.function.name, json.loads(t.function.arguments))  # type: ignore[union-attr]
+                for t in message.tool_calls] == [("get_weather", {"city": "Paris"}),
+                                                 ("get_time", {})]
+        with c.chat.completions.stream(model=MODEL, messages=ask(calls), tools=TOOLS) as stream:
+            final = stream.get_final_completion()
+        assert [t.function.name for t in final.choices[0].message.tool_calls or []] == [
+            "get_weather", "get_time"]
+        plain = c.chat.completions.create(model=MODEL, messages=ask("It is sunny."),
+                                          tools=TOOLS)
+        assert plain.choices[0].message.content == "It is sunny."
+        assert plain.choices[0].finish_reason == "stop"

@@ -148,3 +148,36 @@ def test_a_requests_choices_each_have_their_parser() -> None:
     plain.feed(0, "is is", final=False)
     assert plain.passthrough(0)
     assert not ChatOutputs(reasoning=True, tools=True, thinking=False).passthrough(0)
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (LLAMA_CALL, ChatPiece("", "", [ToolCall("get_weather", '{"city": "Paris"}')])),
+    (f"  {LLAMA_CALL}; {TIME}\n", ChatPiece("", "", [
+        ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"zone": "CET"}')])),
+    # Not every part a call, or not JSON: the whole answer is content.
+    (f"{LLAMA_CALL} and then", ChatPiece("", f"{LLAMA_CALL} and then")),
+    ('{"answer": 42}', ChatPiece("", '{"answer": 42}')),
+    ("{" * 5000, ChatPiece("", "{" * 5000)),
+    # An answer that does not open with { passes as it comes.
+    ("The weather is fine.", ChatPiece("", "The weather is fine.")),
+    (f"Calling: {LLAMA_CALL}", ChatPiece("", f"Calling: {LLAMA_CALL}")),
+])
+def test_llama_3_1s_json_calls(text: str, expected: ChatPiece) -> None:
+    for cuts in ([], list(range(len(text))), [3, 17]):
+        outputs = ChatOutputs(reasoning=False, tools=True, thinking=False,
+                              syntax="llama3_json")
+        got = ChatPiece()
+        last = 0
+        for cut in [*sorted({c % (len(text) + 1) for c in cuts}), len(text)]:
+            got.extend(outputs.feed(0, text[last:cut], final=cut == len(text)))
+            last = cut
+        assert got == expected
+        assert outputs.finish_reason(0, "stop") == ("tool_calls" if expected.tool_calls
+                                                   else "stop")
+    # Plain text is known as such from its first character on: the fast path may take it.
+    plain = ChatOutputs(reasoning=False, tools=True, thinking=False, syntax="llama3_json")
+    plain.feed(0, "  The", final=False)
+    assert plain.passthrough(0)
