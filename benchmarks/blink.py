@@ -47,6 +47,7 @@ from benchmarks.interference import interference, parse_cores
 from benchmarks.loadgen import Job, percentile, run
 from benchmarks.model_figures import (
     BenchTokenizer,
+    add_served_model_arguments,
     describe,
     load_config,
     own_peer_flags,
@@ -108,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cores", default="2-3")
     ap.add_argument("--host-cores", default="4-15", help="the launcher's, and the interference's")
     ap.add_argument("--max-seqs", type=int, default=256)
-    ap.add_argument("--model-config", type=Path, metavar="FILE",
-                    help="the model's config.json, handed to the peer; the bounds are its "
-                         "(default: Qwen3-0.6B's shapes)")
-    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
-                    help="the daemon's and the peer's tokenizer (default: the bundled Qwen3 "
-                         "one); prompts are token ids below its size")
+    add_served_model_arguments(ap)
     ap.add_argument("--seed", type=int, default=20261127)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, nargs="+", metavar="JSON",

@@ -15,6 +15,7 @@ kind (the host's launch, wait and judge against the scheduler kernel's own pass)
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -77,6 +78,17 @@ class Precision:
         if self.fp8_kv:
             return config.kv_bytes_per_token(FP8_ELEMENT, SCALE_BYTES)
         return config.kv_bytes_per_token(self.element)
+
+
+def add_served_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--model-config`` and ``--tokenizer`` of a benchmark that starts a model peer and
+    a daemon (``model_serving``, ``blink``)."""
+    ap.add_argument("--model-config", type=Path, metavar="FILE",
+                    help="the model's config.json (or a directory with one), handed to the "
+                         "model peer; the bounds are its (default: Qwen3-0.6B's shapes)")
+    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
+                    help="the daemon's and the peer's tokenizer (default: the bundled Qwen3 "
+                         "one); prompts are token ids below its size")
 
 
 def load_config(path: Path | None) -> tuple[ModelConfig, str]:

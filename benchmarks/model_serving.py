@@ -40,6 +40,7 @@ from benchmarks.loadgen import Job, run, summary
 from benchmarks.model_figures import (
     BenchTokenizer,
     Precision,
+    add_served_model_arguments,
     bound_tokens_per_s,
     describe,
     engine_figures,
@@ -60,18 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="load generator processes")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=20261126)
-    ap.add_argument("--model-config", type=Path, metavar="FILE",
-                    help="the model's config.json (or a directory with one), handed to the "
-                         "model peer; the bounds are its (default: Qwen3-0.6B's shapes)")
+    add_served_model_arguments(ap)
     ap.add_argument("--scheduler", choices=SCHEDULERS, default="host",
                     help="the model peer's engine loop: on the host, or inside the GPU")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                     help="the model peer's flag: FP8 linear weights (the bounds count them)")
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="the model peer's flag: an FP8 KV cache (the bounds count it)")
-    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
-                    help="the daemon's and the peer's tokenizer (default: the bundled Qwen3 "
-                         "one); prompts are token ids below its size")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
