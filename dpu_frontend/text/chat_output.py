@@ -110,11 +110,6 @@ class ChatOutputParser:
         self._spaces = ""  # whitespace after a call, dropped unless text follows
 
     @property
-    def called(self) -> bool:
-        """Whether a tool call has been returned."""
-        return self._calls > 0
-
-    @property
     def passthrough(self) -> bool:
         """Whether the rest of the text is content as it comes (no reasoning to split,
         no calls to look for, nothing held): the caller may skip ``feed``."""
@@ -227,10 +222,6 @@ class JsonCallParser:
     def __init__(self) -> None:
         self._held = ""
         self._json: bool | None = None  # undecided until the first text
-
-    @property
-    def called(self) -> bool:
-        return False  # counted by ChatOutputs
 
     @property
     def passthrough(self) -> bool:
