@@ -104,15 +104,22 @@ def hf_llama(config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> Any
     return model.eval()
 
 
-def greedy_transformers(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+def greedy_transformers(model: Any, prompt: list[int], n: int,
+                        eos: int | None = None) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens, ``n`` of them or up to (and without) ``eos``, and the
+    top-2 logit margin of each choice (the one of ``eos`` too)."""
     out = hf_forward(model, torch.tensor([prompt], device="cuda"), None)
-    tokens, margins = [], []
+    tokens: list[int] = []
+    margins: list[float] = []
     for _ in range(n):
         logits = out.logits[0, -1].float()
         top2 = torch.topk(logits, 2).values
         margins.append(float(top2[0] - top2[1]))
-        tokens.append(int(torch.argmax(logits)))
-        out = hf_forward(model, torch.tensor([[tokens[-1]]], device="cuda"), out.past_key_values)
+        token = int(torch.argmax(logits))
+        if token == eos:
+            break
+        tokens.append(token)
+        out = hf_forward(model, torch.tensor([[token]], device="cuda"), out.past_key_values)
     return tokens, margins
 
 

@@ -25,8 +25,14 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import smollm2_gguf, smollm2_tokenizer
-from tests.gpu.test_llama import QUESTIONS, SMALL_LLAMA, SMALL_MOE, SMALL_PHI3
-from tests.gpu.test_model import SEED, TIE_MARGIN, engine, greedy, hf_forward
+from tests.gpu.test_llama import (
+    QUESTIONS,
+    SMALL_LLAMA,
+    SMALL_MOE,
+    SMALL_PHI3,
+    greedy_transformers,
+)
+from tests.gpu.test_model import SEED, TIE_MARGIN, engine, greedy
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -55,24 +61,6 @@ def smollm2_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         yield stack
 
 
-def transformers_answer(model: Any, prompt: list[int], eos: int) -> tuple[list[int], float]:
-    """Greedy tokens up to and without ``eos`` (or ANSWER_TOKENS), and the smallest top-2
-    logit margin on the way."""
-    out = hf_forward(model, torch.tensor([prompt], device="cuda"), None)
-    tokens: list[int] = []
-    margin = float("inf")
-    while len(tokens) < ANSWER_TOKENS:
-        logits = out.logits[0, -1].float()
-        top2 = torch.topk(logits, 2).values
-        margin = min(margin, float(top2[0] - top2[1]))
-        token = int(torch.argmax(logits))
-        if token == eos:
-            break
-        tokens.append(token)
-        out = hf_forward(model, torch.tensor([[token]], device="cuda"), out.past_key_values)
-    return tokens, margin
-
-
 def test_smollm2_answers_through_the_daemon(smollm2_stack: Stack, smollm2_reference: Any,
                                             vocab: Vocabulary) -> None:
     assert vocab.chat_template is not None
@@ -92,7 +80,9 @@ def test_smollm2_answers_through_the_daemon(smollm2_stack: Stack, smollm2_refere
             assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1
             prompt = vocab.encode(template.render(messages))
             assert full.usage is not None and full.usage.prompt_tokens == len(prompt)
-            theirs, margin = transformers_answer(smollm2_reference, prompt, eos)
+            theirs, margins = greedy_transformers(smollm2_reference, prompt, ANSWER_TOKENS,
+                                                  eos)
+            margin = min(margins)
             expected = vocab.decode(theirs)
             # A divergence is excused only by a float32 tie on transformers' side.
             assert text == expected or margin < TIE_MARGIN, (question, text, expected, margin)
