@@ -65,10 +65,11 @@ class Precision:
         return (f"{'FP8' if self.fp8_weights else 'model-dtype'} linear weights, "
                 f"{'FP8' if self.fp8_kv else 'model-dtype'} KV cache")
 
-    def weight_bytes(self, config: ModelConfig, batch: float | None = None) -> int:
+    def weight_bytes(self, config: ModelConfig, batch: float | None = None,
+                     experts: float | None = None) -> int:
         """``weight_bytes_read``: with FP8 weights, the layers' linear weights at a byte
         an element and their channels' scales; the rest in the model dtype."""
-        total = weight_bytes_read(config, self.element, batch)
+        total = weight_bytes_read(config, self.element, batch, experts)
         if self.fp8_weights:
             elements, channels = config.linear_weights()
             total += elements * (FP8_ELEMENT - self.element) + channels * SCALE_BYTES
@@ -188,7 +189,7 @@ def experts_read(config: ModelConfig, batch: float | None) -> float:
 
 
 def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT,
-                      batch: float | None = None) -> int:
+                      batch: float | None = None, experts: float | None = None) -> int:
     """The weights' bytes a decode step of ``batch`` sequences reads: every parameter,
     but of an untied input embedding only the step's own rows (a few KB, left out): the
     output head is read whole, the embedding table is not. A tied model's one table is
@@ -199,16 +200,18 @@ def weight_bytes_read(config: ModelConfig, element: int = SERVED_ELEMENT,
         parameters -= config.vocab_size * config.hidden_size
     if config.moe is not None:
         per_expert = 3 * config.moe.intermediate * config.hidden_size  # gate, up, down
-        unread = config.moe.num_experts - experts_read(config, batch)
+        read = experts_read(config, batch) if experts is None else experts
+        unread = config.moe.num_experts - read
         parameters -= round(config.num_layers * unread * per_expert)
     return parameters * element
 
 
-def step_bytes(config: ModelConfig, batch: int, context: int,
-               precision: Precision) -> tuple[int, int]:
+def step_bytes(config: ModelConfig, batch: int, context: int, precision: Precision,
+               experts: float | None = None) -> tuple[int, int]:
     """A decode step's bytes read, (weights, K and V), with ``batch`` sequences each
-    attending ``context`` positions, stored as ``precision`` says."""
-    return (precision.weight_bytes(config, batch),
+    attending ``context`` positions, stored as ``precision`` says; ``experts``: a
+    mixture's experts read a layer, where counted."""
+    return (precision.weight_bytes(config, batch, experts),
             batch * context * precision.kv_bytes_per_token(config))
 
 

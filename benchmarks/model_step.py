@@ -11,7 +11,9 @@ sampling), best and median of ``--iters``.
 The model is Qwen3-0.6B's shapes, or ``--model-config FILE``'s (an HF
 config.json; ``benchmarks/configs`` holds Qwen3-8B's and Qwen3-32B's), with
 seeded random weights: the weights, the KV bytes per token and so the bound are
-that config's. The KV cache is what ``--memory-fraction`` of the GPU leaves
+that config's. Each sequence decodes its own random token, and a mixture of
+experts' bound counts the experts its step routed to (the step run once eagerly
+with the router's choices recorded). The KV cache is what ``--memory-fraction`` of the GPU leaves
 after the weights (the runner's rule, as the model peer's); the largest batch
 must fit in it, which the benchmark checks before it times anything. This
 drives ``ModelRunner`` directly, with no scheduler: the model peer's
@@ -39,8 +41,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import record
-from benchmarks.model_figures import Precision, describe, kv_blocks, load_config, step_bytes
+from benchmarks.model_figures import (
+    PROMPT_ID_HIGH,
+    PROMPT_ID_LOW,
+    Precision,
+    describe,
+    kv_blocks,
+    load_config,
+    step_bytes,
+)
 from dpu_frontend.model.blocks import BlockPool, BlockTable
+from dpu_frontend.model.layers import moe
 from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
@@ -67,7 +78,14 @@ def copy_bandwidth(device: torch.device, size: int = 4 << 30) -> float:
 
 
 def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) -> Batch:
+    """``size`` sequences of ``context`` tokens, each decoding its own seeded random
+    token: with one token for all, every row would route to the same experts of a
+    mixture, which would read 8 experts a layer at any batch."""
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(size)
+    ids = torch.randint(PROMPT_ID_LOW, min(PROMPT_ID_HIGH, runner.config.vocab_size),
+                        (size, context + 1), generator=generator)
+    runner.slots.tokens[:size, :context + 1] = ids.to(runner.device)
     works = []
     for i in range(size):
         seq = Sequence(i, context, params, seed=i, limit=1 << 30, table=BlockTable(pool), slot=i,
@@ -77,6 +95,34 @@ def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) 
         runner.slot_params.set(i, params, seed=i)  # as the engine's admission does
         works.append(Work(seq, context, 1, True))
     return Batch(works=works)
+
+
+def experts_routed(runner: ModelRunner, batch: Batch) -> float | None:
+    """The experts a layer of a mixture reads in ``batch``'s step, counted: the step run
+    once eagerly with the router's choices recorded, averaged over the layers (None
+    for a dense model). The graphs replay the same kernels on the same inputs."""
+    if runner.config.moe is None:
+        return None
+    hit: list[int] = []
+    route = moe.route
+
+    def counting(logits: torch.Tensor, top_k: int,
+                 norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = route(logits, top_k, norm_topk_prob)
+        hit.append(int(torch.unique(ids).numel()))
+        return ids, weights
+
+    graphs, runner.graphs = runner.graphs, None
+    moe.route = counting
+    try:
+        runner.step(batch)
+        torch.cuda.synchronize()
+    finally:
+        moe.route, runner.graphs = route, graphs
+    if len(hit) != runner.config.num_layers:
+        raise RuntimeError(f"{len(hit)} routings counted in a step of "
+                           f"{runner.config.num_layers} layers")
+    return sum(hit) / len(hit)
 
 
 def profile(runner: ModelRunner, batch: Batch) -> None:
@@ -157,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-        weights, kv_bytes = step_bytes(config, size, args.context + 1, precision)
+        experts = experts_routed(runner, batch)
+        weights, kv_bytes = step_bytes(config, size, args.context + 1, precision, experts)
         bound = (weights + kv_bytes) / bandwidth
         best, median = min(times), statistics.median(times)
         figures[f"batch {size}: step best / median, ms"] = f"{best * 1e3:.3f} / {median * 1e3:.3f}"
         figures[f"batch {size}: bound, ms ({weights / 1e9:.2f} GB weights + {kv_bytes / 1e9:.2f} "
                 f"GB KV)"] = round(bound * 1e3, 3)
+        if experts is not None:
+            figures[f"batch {size}: experts a layer reads, counted"] = round(experts, 1)
         figures[f"batch {size}: step / bound"] = round(best / bound, 2)
     record("model_step", figures)
     if args.profile:

@@ -183,6 +183,9 @@ def test_a_moe_step_reads_the_experts_its_batch_routes_to() -> None:
     assert weight_bytes_read(c, batch=64) < weight_bytes_read(c)
     weights, _ = step_bytes(c, 1, 100, Precision())
     assert weights == 2 * one
+    # Experts counted in a step (model_step's) replace the uniform estimate.
+    assert step_bytes(c, 64, 100, Precision(), experts=8)[0] == 2 * one
+    assert weight_bytes_read(c, batch=64, experts=20.5) == 2 * one + round(48 * 12.5 * expert) * 2
     # A dense model reads every weight whatever the batch.
     dense = ModelConfig.load(QWEN3_8B)
     assert weight_bytes_read(dense, batch=1) == weight_bytes_read(dense) == WEIGHTS_8B
