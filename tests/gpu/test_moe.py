@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from dpu_frontend.model.layers.linear import linear
-from dpu_frontend.model.layers.moe import MOE_BLOCK_M, group_by_expert, moe_mlp, route
+from dpu_frontend.model.layers.moe import (
+    GROUP_ONE_KERNEL_PAIRS,
+    MOE_BLOCK_M,
+    _group_in_one_kernel,
+    _group_with_torch,
+    group_by_expert,
+    moe_mlp,
+    route,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +102,28 @@ def test_pairs_are_grouped_by_expert_in_whole_blocks() -> None:
             # Within an expert, pairs in their order (a stable sort).
             assert bool((members[1:] > members[:-1]).all())
     print("grouping: every pair once, each block one expert's, in order, padding after")
+
+
+def test_the_grouping_kernel_is_torchs_sort() -> None:
+    """``_group_kernel`` (up to GROUP_ONE_KERNEL_PAIRS pairs) gives the tensors of the
+    torch path bit for bit: spread and skewed routing, and 60 experts (not a power of 2)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cases = 0
+    for experts, k in ((EXPERTS, TOP_K), (60, 4)):
+        for tokens in (1, 3, 16, 33, 256, GROUP_ONE_KERNEL_PAIRS // k):
+            spread = torch.stack([torch.randperm(experts, generator=gen, device="cuda")[:k]
+                                  for _ in range(tokens)]).int()
+            skewed = torch.arange(k, device="cuda", dtype=torch.int32).repeat(tokens, 1)
+            for ids in (spread, skewed):
+                n = ids.numel()
+                blocks = -(-n // MOE_BLOCK_M) + min(experts, n)
+                one = _group_in_one_kernel(ids, experts, MOE_BLOCK_M, blocks)
+                torchs = _group_with_torch(ids, experts, MOE_BLOCK_M, blocks)
+                assert torch.equal(one[0], torchs[0]) and torch.equal(one[1], torchs[1]), (
+                    experts, k, tokens)
+                cases += 1
+    print(f"grouping kernel = torch's sort and scans in {cases} cases, up to "
+          f"{GROUP_ONE_KERNEL_PAIRS} pairs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])

@@ -7,8 +7,8 @@
    to 1 where the config says (``norm_topk_prob``), the weights rounded to the model
    dtype as transformers rounds them;
 2. ``group_by_expert``: the (token, k) pairs sorted by expert, each expert's run padded
-   to whole blocks of rows (torch's sort and scans, no host sync: CUDA graphs capture
-   it);
+   to whole blocks of rows (one kernel up to a few thousand pairs, torch's sort and
+   scans past that; no host sync: CUDA graphs capture it);
 3. ``_moe_gemm_kernel``, once a projection: each program takes one block of one
    expert's pairs and a block of its output columns. The gate_up projection gathers
    the tokens' rows and ends in SwiGLU (``activation.swiglu``); down reads those rows;
@@ -92,11 +92,82 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
     """The (token, k) pairs of ``ids`` [T, k] grouped by expert, for the grouped GEMM:
 
     - ``pairs``: pair indices (``token * k + slot``), each expert's run starting on a
-      block of ``block_m`` and padded with T * k;
+      block of ``block_m``, in the pairs' order, and padded with T * k;
     - ``block_expert``: each block's expert, ``num_experts`` past the last run.
 
     Sizes depend on T and k alone (at most ``cdiv(T k, block_m) + min(experts, T k)``
-    blocks), and nothing waits for the GPU, so a CUDA graph captures it."""
+    blocks), and nothing waits for the GPU, so a CUDA graph captures it. Up to
+    ``GROUP_ONE_KERNEL_PAIRS`` pairs (decode, small mixed steps) one kernel does it all;
+    past that, torch's sort and scans. Both give the same tensors."""
+    n = ids.numel()
+    blocks = -(-n // block_m) + min(num_experts, n)
+    if n <= GROUP_ONE_KERNEL_PAIRS:
+        return _group_in_one_kernel(ids, num_experts, block_m, blocks)
+    return _group_with_torch(ids, num_experts, block_m, blocks)
+
+
+#: The most (token, k) pairs grouped by ``_group_kernel`` (decode's 256 rows x 8): one
+#: program's work grows as pairs x experts, torch's dozen launches stay about flat.
+#: Where the two meet on a GPU is not measured yet.
+GROUP_ONE_KERNEL_PAIRS = 2048
+GROUP_CHUNK = 64
+
+
+@triton.jit
+def _group_kernel(ids_ptr, pairs_ptr, block_expert_ptr, n, num_blocks,
+                  EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """One program: each expert's count of pairs, its run's start (the runs padded to
+    whole blocks), each pair's place (its expert's start, plus the pairs of that expert
+    before it), and each block's expert. Pairs are read in chunks of CHUNK; a chunk's
+    [CHUNK, experts] one-hot matrix gives counts by its column sums and ranks by its
+    running sums down the columns."""
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    slots = num_blocks * BLOCK_M
+    for s0 in range(0, slots, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + s, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=s < slots)
+    # The padding's stores before the pairs' own, which overwrite some of them.
+    tl.debug_barrier()
+    placed = tl.zeros((E_P2,), dtype=tl.int32)
+    for c0 in range(0, n, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, 0) - onehot  # this chunk's earlier pairs, by expert
+        place = tl.sum(onehot * (before + (starts + placed)[None, :]), axis=1)
+        tl.store(pairs_ptr + place, i, mask=i < n)
+        placed += tl.sum(onehot, axis=0)
+    # A block's expert: the experts whose padded run ends at or before its first row
+    # (torch.searchsorted(ends, first, right=True)).
+    real = experts < EXPERTS
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+def _group_in_one_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
+                         blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = torch.empty((blocks * block_m,), dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty((blocks,), dtype=torch.int32, device=ids.device)
+    _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), pairs, block_expert, ids.numel(),
+                        blocks, EXPERTS=num_experts,
+                        E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                        CHUNK=GROUP_CHUNK, num_warps=4)
+    return pairs, block_expert
+
+
+def _group_with_torch(ids: torch.Tensor, num_experts: int, block_m: int,
+                      blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = ids.numel()
     device = ids.device
     flat = ids.reshape(-1).long()
@@ -108,7 +179,6 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
     by_expert = flat[order]
     first = torch.cumsum(counts, 0) - counts  # each expert's first place in ``order``
     rank = torch.arange(n, device=device) - first[by_expert]
-    blocks = -(-n // block_m) + min(num_experts, n)
     pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
     pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
     starts = torch.arange(blocks, device=device) * block_m
