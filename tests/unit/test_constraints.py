@@ -1,0 +1,155 @@
+"""Structured output's compiler (``text.constraints``): the automaton's form on
+hand-written transitions, then real constraints against the bundled Qwen3 tokenizer,
+walked at random (seeded) through the automaton's own allowed tokens; every text a walk
+ends on must satisfy the constraint."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from tokenizers import Tokenizer
+
+from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.constraints import (
+    NONE,
+    ConstraintCompiler,
+    ConstraintError,
+    ConstraintSpec,
+    TokenAutomaton,
+    build_automaton,
+)
+from dpu_frontend.text.token_bytes import TokenBytes
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer"},
+    "role": {"enum": ["admin", "user"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+}, "required": ["name", "age", "role"]}
+
+
+def test_states_are_numbered_from_the_start_and_dense_ones_keep_a_bitmask() -> None:
+    # Vocabulary of 256 (8 mask words): state 7 allows 40 tokens (dense: 40 list pairs
+    # would be 80 words), 30 of them to state 9, 10 to state 8; 9 and 8 are sparse.
+    transitions = {7: {t: 9 for t in range(30)} | {t: 8 for t in range(30, 40)},
+                   9: {255: 9, 50: 8}, 8: {255: 8}}
+    a = build_automaton(transitions, 7, vocab_size=256, eos=255)
+    assert a.states == 3 and a.default_next[1] == NONE  # 7 -> 0, 8 -> 1, 9 -> 2
+    assert a.mask_at[0] == 0 and a.default_next[0] == 2 and a.mask_at[1] == NONE
+    # Dense state: only the exceptions (to state 8) are listed.
+    assert list(a.list_tokens[a.list_start[0]:a.list_start[1]]) == list(range(30, 40))
+    assert a.next_state(0, 3) == 2 and a.next_state(0, 35) == 1 and a.next_state(0, 45) is None
+    assert a.allowed(0) == list(range(40)) and a.allowed(2) == [50, 255]
+    assert a.next_state(2, 50) == 1 and a.next_state(2, 49) is None
+    assert not a.may_end(0) and a.may_end(1) and a.may_end(2)
+    assert a.walk([5, 50]) == 1 and a.walk([5, 5]) is None
+    assert a.nbytes == 4 * (4 + 13 + 13 + 3 + 3 + 8)
+
+
+@pytest.fixture(scope="module")
+def compiler() -> ConstraintCompiler:
+    tokenizer = Tokenizer.from_file(str(default_tokenizer_dir() / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert eos is not None
+    return ConstraintCompiler(tokenizer, eos)
+
+
+def walks(automaton: TokenAutomaton, compiler: ConstraintCompiler, count: int,
+          seed: int, limit: int = 200) -> list[str]:
+    """Texts of ``count`` random walks: each step draws among the allowed tokens, the
+    end token with probability 1/2 where allowed; a walk past ``limit`` tokens is cut."""
+    rng = random.Random(seed)
+    token_bytes = TokenBytes(compiler.tokenizer)
+    texts = []
+    for _ in range(count):
+        state, raw = 0, b""
+        for _ in range(limit):
+            if automaton.may_end(state) and rng.random() < 0.5:
+                break
+            options = [t for t in automaton.allowed(state) if t != automaton.eos]
+            if not options:
+                break
+            token = rng.choice(options)
+            next_state = automaton.next_state(state, token)
+            assert next_state is not None
+            known = token_bytes.get(token)
+            assert known is not None
+            state, raw = next_state, raw + known[1]
+        else:
+            continue
+        assert automaton.may_end(state)
+        texts.append(raw.decode())
+    return texts
+
+
+def test_a_json_schema_admits_only_valid_objects(compiler: ConstraintCompiler) -> None:
+    automaton = compiler.compile(ConstraintSpec.json_schema(PERSON))
+    texts = walks(automaton, compiler, 16, seed=1)
+    assert len(texts) >= 8
+    for text in texts:
+        value = json.loads(text)
+        assert set(value) >= {"name", "age", "role"} and set(value) <= set(PERSON["properties"])
+        assert isinstance(value["name"], str) and len(value["name"]) <= 12
+        assert isinstance(value["age"], int)
+        assert value["role"] in ("admin", "user")
+        assert len(value.get("tags", [])) <= 2
+    # Nothing but the object's opening may start it.
+    encoded = compiler.tokenizer.encode("hello", add_special_tokens=False).ids
+    assert automaton.next_state(0, encoded[0]) is None
+    assert automaton.walk(compiler.tokenizer.encode('{"name"', add_special_tokens=False).ids)
+
+
+def test_a_regex_and_a_choice(compiler: ConstraintCompiler) -> None:
+    pattern = r"[0-9]{3}-[a-z]{1,5}"
+    automaton = compiler.compile(ConstraintSpec.regex(pattern))
+    texts = walks(automaton, compiler, 30, seed=2)
+    assert texts and all(re.fullmatch(pattern, t) for t in texts)
+    choices = ["yes", "no", "maybe so (a+b)?"]
+    automaton = compiler.compile(ConstraintSpec.choice(choices))
+    texts = walks(automaton, compiler, 30, seed=3)
+    assert set(texts) <= set(choices) and len(set(texts)) == 3
+
+
+def test_bad_constraints_name_their_field(compiler: ConstraintCompiler) -> None:
+    with pytest.raises(ConstraintError) as bad_regex:
+        compiler.compile(ConstraintSpec.regex("(unclosed"))
+    assert bad_regex.value.param == "guided_regex"
+    with pytest.raises(ConstraintError) as bad_schema:
+        compiler.compile(ConstraintSpec.json_schema({"type": "frobnicate"}))
+    assert bad_schema.value.param == "response_format"
+    with pytest.raises(ConstraintError):
+        ConstraintSpec.json_schema(["not", "an", "object"])
+    # Keywords the compiler would not enforce are refused, wherever they are; a property
+    # named like one is a name.
+    nested = {"type": "object", "properties": {"n": {"anyOf": [{"type": "integer",
+                                                              "minimum": 0}]}}}
+    with pytest.raises(ConstraintError, match="#/properties/n/anyOf/0/minimum"):
+        ConstraintSpec.json_schema(nested)
+    ConstraintSpec.json_schema({"type": "object", "properties": {"minimum": {"type": "integer"}}})
+    with pytest.raises(ConstraintError):
+        ConstraintSpec.choice([])
+    small = ConstraintCompiler(compiler.tokenizer, compiler.eos, max_automaton_bytes=1000)
+    small._vocabulary = compiler.vocabulary()
+    with pytest.raises(ConstraintError, match="bytes, more than the 1000 allowed") as large:
+        small.compile(ConstraintSpec.json_schema({"type": "string"}))
+    assert large.value.param == "response_format"
+
+
+def test_the_cache_keeps_the_most_recent_within_its_bounds(
+        compiler: ConstraintCompiler) -> None:
+    cache = ConstraintCompiler(compiler.tokenizer, compiler.eos, max_entries=2)
+    cache._vocabulary = compiler.vocabulary()  # one build of the vocabulary suffices
+    first = cache.compile(ConstraintSpec.regex("a+"))
+    assert cache.compile(ConstraintSpec.regex("a+")) is first
+    cache.compile(ConstraintSpec.regex("b+"))
+    cache.compile(ConstraintSpec.regex("a+"))  # a+ is now the most recent
+    cache.compile(ConstraintSpec.regex("c+"))  # b+ goes
+    count, size = cache.cached()
+    assert count == 2 and size == first.nbytes + cache.compile(ConstraintSpec.regex("c+")).nbytes
+    assert cache.compile(ConstraintSpec.regex("a+")) is first
+    # Properties are written in the schema's order: another order is another constraint.
+    assert (ConstraintSpec.json_schema({"a": 1, "b": 2}).key(1)
+            != ConstraintSpec.json_schema({"b": 2, "a": 1}).key(1))
