@@ -20,22 +20,8 @@ from benchmarks.common import record
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.constraints import ConstraintCompiler, ConstraintSpec
 from dpu_frontend.text.tokenizer import Vocabulary
+from tests.constraint_cases import ORDER, PERSON
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "age": {"type": "integer"},
-    "role": {"enum": ["admin", "user"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
-}, "required": ["name", "age", "role"]}
-ORDER = {"type": "object", "properties": {
-    "id": {"type": "string", "pattern": "[A-Z]{2}[0-9]{6}"},
-    "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
-                                         "quantity": {"type": "integer"}},
-        "required": ["sku", "quantity"]}},
-    "paid": {"type": "boolean"},
-    "note": {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "null"}]},
-}, "required": ["id", "items", "paid"]}
 CONSTRAINTS = {
     "choice of 3": ConstraintSpec.choice(["yes", "no", "maybe so (a+b)?"]),
     "regex [0-9]{3}-[a-z]{1,5}": ConstraintSpec.regex(r"[0-9]{3}-[a-z]{1,5}"),

@@ -22,13 +22,7 @@ from dpu_frontend.text.constraints import (
     build_automaton,
 )
 from dpu_frontend.text.token_bytes import TokenBytes
-
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "age": {"type": "integer"},
-    "role": {"enum": ["admin", "user"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
-}, "required": ["name", "age", "role"]}
+from tests.constraint_cases import PERSON
 
 
 def test_states_are_numbered_from_the_start_and_dense_ones_keep_a_bitmask() -> None:
