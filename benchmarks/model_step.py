@@ -13,9 +13,10 @@ config.json; ``benchmarks/configs`` holds Qwen3-8B's and Qwen3-32B's), with
 seeded random weights: the weights, the KV bytes per token and so the bound are
 that config's. Each sequence decodes its own random token, and a mixture of
 experts' bound counts the experts its step routed to (the step run once eagerly
-with the router's choices recorded). The KV cache is what ``--memory-fraction`` of the GPU leaves
-after the weights (the runner's rule, as the model peer's); the largest batch
-must fit in it, which the benchmark checks before it times anything. This
+with the router's choices recorded). The KV cache is what ``--memory-fraction``
+of the GPU leaves after the weights (the runner's rule, as the model peer's);
+the largest batch must fit in it, which the benchmark checks before it times
+anything. This
 drives ``ModelRunner`` directly, with no scheduler: the model peer's
 ``--scheduler`` (host or GPU) does not apply here; ``benchmarks.model_serving``
 takes it.
