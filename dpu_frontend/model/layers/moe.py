@@ -9,7 +9,7 @@
 2. ``group_by_expert``: the (token, k) pairs sorted by expert, each expert's run padded
    to whole blocks of rows (one kernel up to a few thousand pairs, torch's sort and
    scans past that; no host sync: CUDA graphs capture it);
-3. ``_moe_gemm_kernel``, once a projection: each program takes one block of one
+3. ``moe_gemm``, once a projection: each program takes one block of one
    expert's pairs and a block of its output columns. The gate_up projection gathers
    the tokens' rows and ends in SwiGLU (``activation.swiglu``); down reads those rows;
 4. ``_moe_combine_kernel``: each token's experts weighted and summed in ascending
@@ -29,6 +29,8 @@ residual is added after, in the model dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +38,43 @@ import triton.language as tl
 from dpu_frontend.model.layers.activation import swiglu
 from dpu_frontend.model.layers.linear import precision
 
-#: A program's rows (one expert's pairs), output columns and K step. The K step is
-#: part of a row's bits: fixed, whatever the batch.
-MOE_BLOCK_M, MOE_BLOCK_N, MOE_BLOCK_K = 16, 64, 64
-MOE_WARPS, MOE_STAGES = 4, 3
+
+class MoeTile(NamedTuple):
+    """A grouped-GEMM program's rows (one expert's pairs; the grouping pads each
+    expert's run to them), output columns, warps and pipeline stages. None of these
+    is part of a row's bits: its sum over K runs in ``MOE_BLOCK_K`` steps whatever
+    the tile (``benchmarks.moe_tiles`` checks each candidate's bits against this
+    one's)."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.warps}s{self.stages}"
+
+
+#: The K step: part of a row's bits, fixed whatever the batch.
+MOE_BLOCK_K = 64
+#: The reference tile (``benchmarks.moe_tiles`` holds every candidate's bits to its).
+MOE_TILE = MoeTile(block_m=16, block_n=64, warps=4, stages=3)
+MOE_BLOCK_M = MOE_TILE.block_m
+#: The (gate_up, down) tiles, by the pairs an expert gets on average. Few (decode's
+#: small batches): 16 rows, narrow column blocks and deep pipelines, to put enough
+#: programs on the GPU to stream the experts. Many (from ``MOE_MANY_PAIRS``): 64 rows,
+#: so that an expert's weights are read once for all its pairs. Chosen from
+#: ``benchmarks.moe_tiles`` on an H200 (docs/gpu.md): at Qwen3-30B-A3B's shapes, 1 to
+#: 512 tokens, every candidate's bits equal the reference's.
+MOE_TILES_FEW = (MoeTile(16, 32, 4, 5), MoeTile(16, 64, 4, 5))
+MOE_TILES_MANY = (MoeTile(64, 64, 4, 3), MoeTile(64, 128, 8, 4))
+MOE_MANY_PAIRS = 8
+
+
+def moe_tiles(pairs: int, experts: int) -> tuple[MoeTile, MoeTile]:
+    """The (gate_up, down) tiles for ``pairs`` (token, expert) pairs over ``experts``:
+    one grouping serves both, so their rows are one."""
+    return MOE_TILES_MANY if pairs >= MOE_MANY_PAIRS * experts else MOE_TILES_FEW
 COMBINE_BLOCK = 512
 
 
@@ -226,18 +261,24 @@ def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, N, K, num
                  mask=valid[:, None] & (rn[None, :] < N))
 
 
-def _moe_gemm(a: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor,
-              block_expert: torch.Tensor, num_pairs: int, top_k: int, *, gather: bool,
-              gated: bool) -> torch.Tensor:
+def moe_gemm(a: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor,
+             block_expert: torch.Tensor, num_pairs: int, top_k: int, *, gather: bool,
+             gated: bool, tile: MoeTile = MOE_TILE) -> torch.Tensor:
+    """One projection of every routed pair: [num_pairs, N] from ``weight`` [experts,
+    N (2N gated), K] and the rows of ``a`` (the pairs' tokens' rows where ``gather``,
+    else the pairs' own), grouped by ``group_by_expert`` with ``tile.block_m``."""
     experts, rows, k = weight.shape
     n = rows // 2 if gated else rows
+    if pairs.shape[0] != block_expert.shape[0] * tile.block_m:
+        raise ValueError(f"{pairs.shape[0]} grouped pairs for {block_expert.shape[0]} "
+                         f"blocks of {tile.block_m}: grouped for another tile")
     y = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
-    grid = (block_expert.shape[0], triton.cdiv(n, MOE_BLOCK_N))
+    grid = (block_expert.shape[0], triton.cdiv(n, tile.block_n))
     _moe_gemm_kernel[grid](
         a, weight, y, pairs, block_expert, n, k, num_pairs, a.stride(0), weight.stride(0),
         weight.stride(1), y.stride(0), NUM_EXPERTS=experts, TOP_K=top_k, GATHER=gather,
-        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K,
-        PRECISION=precision(a.dtype), num_warps=MOE_WARPS, num_stages=MOE_STAGES)
+        GATED=gated, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=MOE_BLOCK_K,
+        PRECISION=precision(a.dtype), num_warps=tile.warps, num_stages=tile.stages)
     return y
 
 
@@ -282,10 +323,13 @@ def moe_mlp(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
     if t == 0:
         return out
     ids, weights = route(logits, top_k, norm_topk_prob)
-    pairs, block_expert = group_by_expert(ids, experts)
     n = t * top_k
-    inner = _moe_gemm(x, gate_up, pairs, block_expert, n, top_k, gather=True, gated=True)
-    y = _moe_gemm(inner, down, pairs, block_expert, n, top_k, gather=False, gated=False)
+    gate_up_tile, down_tile = moe_tiles(n, experts)
+    pairs, block_expert = group_by_expert(ids, experts, gate_up_tile.block_m)
+    inner = moe_gemm(x, gate_up, pairs, block_expert, n, top_k, gather=True, gated=True,
+                     tile=gate_up_tile)
+    y = moe_gemm(inner, down, pairs, block_expert, n, top_k, gather=False, gated=False,
+                 tile=down_tile)
     _moe_combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](
         y, ids, weights, residual, out, hidden, y.stride(0), residual.stride(0), out.stride(0),
         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK=COMBINE_BLOCK, num_warps=4)
