@@ -122,12 +122,15 @@ async def peers(config: ServeConfig) -> tuple[list[Finding], int]:
                 found.append(Finding(OK, f"GPU peer {address}: protocol v{layout.version_major}."
                                          f"{layout.version_minor}, channel {session.channel_index}"
                                          f" of {len(layout.channels)}, {lay.req_slots} request "
-                                         f"slots, {lay.arena_tokens} arena tokens, "
-                                         f"{lay.resp_slots} x {lay.tokens_per_response}-token "
-                                         "response records, " + (
-                                             f"log probabilities ({lay.max_top_logprobs} "
-                                             "alternatives)" if lay.logprobs else
-                                             "no log probabilities")))
+                                         f"slots, prompts of up to {lay.max_prompt_tokens} "
+                                         f"tokens, {lay.resp_slots} x "
+                                         f"{lay.tokens_per_response}-token response records, "
+                                         + (f"log probabilities ({lay.max_top_logprobs} "
+                                            "alternatives)" if lay.logprobs else
+                                            "no log probabilities") + ", " + (
+                                             "structured output (automata up to "
+                                             f"{lay.max_automaton_bytes} bytes)"
+                                             if lay.constraints else "no structured output")))
         finally:
             await session.close()
     return found, largest

@@ -21,6 +21,7 @@ from dpu_frontend import __version__
 from dpu_frontend.config import (
     DEFAULT_PEER,
     DEFAULT_TRANSPORT,
+    REFERENCE_GEOMETRY,
     TRANSPORTS,
     LoggingConfig,
     PeerAddress,
@@ -44,8 +45,9 @@ log = logging.getLogger("dpu_frontend")
 #: The reference peer's own pace, a rate or GPU-like steps: the model peer's engine
 #: and the CUDA kernel (--step-us) set their own.
 REFERENCE_PACE = frozenset({"tokens_per_s", "step_s", "batch"})
-PEER = Flags(PeerConfig())
-MODEL_PEER = Flags(PeerConfig(), omit=REFERENCE_PACE)
+PEER = Flags(PeerConfig(geometry=REFERENCE_GEOMETRY))
+#: The model peer's sampler does not walk structured output's automata yet.
+MODEL_PEER = Flags(PeerConfig(), omit=REFERENCE_PACE | {"geometry.max_automaton_bytes"})
 MODEL_OPTIONS = Flags(ModelPeerOptions())
 #: The peers log text lines, at this level.
 PEER_LOGGING = Flags(LoggingConfig(), omit=frozenset({"format"}), prefix="log_")
@@ -54,11 +56,13 @@ PEER_LOGGING = Flags(LoggingConfig(), omit=frozenset({"format"}), prefix="log_")
 def gpu_peer_flags() -> Flags[GpuPeerConfig]:
     """``gpu-peer``'s: GPU_GEOMETRY's rings; neither the host loop's pace and clock (the
     kernel paces itself: --step-us, --heartbeat-us) nor --logprobs (its replay has no
-    distribution to give them of). A function: the build directory's default follows
-    the environment when it is called, as ``GpuPeerConfig()``'s does."""
+    distribution to give them of), nor --max-automaton-bytes (it walks no automaton
+    yet). A function: the build directory's default follows the environment when it is
+    called, as ``GpuPeerConfig()``'s does."""
     host_loop = {f"peer.{name}" for name in (*REFERENCE_PACE, "tick_s", "heartbeat_s")}
     return Flags(GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY)),
-                 omit=frozenset({*host_loop, "peer.geometry.logprobs"}))
+                 omit=frozenset({*host_loop, "peer.geometry.logprobs",
+                                 "peer.geometry.max_automaton_bytes"}))
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:

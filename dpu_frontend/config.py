@@ -273,6 +273,11 @@ class ServeConfig:
         return frozenset(p.strip() for p in self.auth_exempt_paths.split(",") if p.strip())
 
 
+#: The reference peer's rings: the default's, and structured output, with an arena that
+#: holds an automaton of up to 32 MiB (the compiler's bound) beside the longest prompt.
+REFERENCE_GEOMETRY = Geometry(arena_bytes=36 << 20, max_automaton_bytes=32 << 20)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
     """The GPU peers' shared settings: all of the reference peer's (``dpu-frontend peer``),

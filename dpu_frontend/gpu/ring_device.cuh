@@ -104,6 +104,7 @@ __device__ __forceinline__ uint64_t req_u64(const uint32_t *w, int i) { return w
 #define REQ_STOP 20
 #define REQ_EPOCH 28
 #define REQ_LOGPROBS 29
+#define REQ_AUTOMATON 30
 #define DPUF_REQ_WORD(name, field) \
     static_assert(offsetof(dpuf_request, field) == 4 * (name), #name " is not dpuf_request." #field)
 DPUF_REQ_WORD(REQ_KIND, kind);
@@ -124,6 +125,7 @@ DPUF_REQ_WORD(REQ_N_STOP, n_stop_token_ids);
 DPUF_REQ_WORD(REQ_STOP, stop_token_ids);
 DPUF_REQ_WORD(REQ_EPOCH, epoch);
 DPUF_REQ_WORD(REQ_LOGPROBS, top_logprobs);
+DPUF_REQ_WORD(REQ_AUTOMATON, automaton_bytes);
 #undef DPUF_REQ_WORD
 
 /* One thread: read and check record `seq` of channel `d` into words[0..31];
@@ -161,6 +163,10 @@ __device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc 
     if (n_stop > DPUF_MAX_STOP_TOKEN_IDS || max_tokens == 0 || arena_off % DPUF_ALIGN != 0) return V_BAD;
     if (arena_off > d->arena_size || 4ull * prompt_len > d->arena_size - arena_off) return V_BAD;
     if (prompt_len > d->max_prompt_tokens) return V_BAD;
+    /* An automaton on a channel that does not walk them (minor 2): refused, never
+     * served as if unconstrained. */
+    if (((words[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED) != 0 || words[REQ_AUTOMATON] != 0)
+        && (d->features & DPUF_FEATURE_CONSTRAINTS) == 0) return V_BAD;
     return V_GENERATE;
 }
 

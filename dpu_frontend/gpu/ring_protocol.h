@@ -33,7 +33,7 @@
 
 #define DPUF_MAGIC "DPUFRING"            /* 8 bytes, no terminator in the record */
 #define DPUF_VERSION_MAJOR 2u
-#define DPUF_VERSION_MINOR 1u
+#define DPUF_VERSION_MINOR 2u
 #define DPUF_ALIGN 128u                   /* every block, ring and prompt span */
 #define DPUF_HEADER_SIZE 128u
 #define DPUF_CHANNEL_DESC_SIZE 128u
@@ -54,10 +54,16 @@
 #define DPUF_FLAG_IGNORE_EOS (1u << 0)
 #define DPUF_FLAG_HAS_SEED (1u << 1)
 #define DPUF_FLAG_LOGPROBS (1u << 2)      /* minor 1: top_logprobs alternatives */
+#define DPUF_FLAG_CONSTRAINED (1u << 3)   /* minor 2: an automaton follows the prompt */
 /* response record flags */
 #define DPUF_RESPONSE_LOGPROBS (1u << 0)  /* payload: dpuf_token_logprobs entries */
 /* channel features (dpuf_channel_desc.features, minor 1) */
 #define DPUF_FEATURE_LOGPROBS (1u << 0)
+#define DPUF_FEATURE_CONSTRAINTS (1u << 1) /* minor 2: structured output's automata */
+/* structured output's automaton (dpuf_automaton, then its arrays) */
+#define DPUF_AUTOMATON_MAGIC "DPUFAUT1"   /* 8 bytes, no terminator in the header */
+#define DPUF_AUTOMATON_HEADER_SIZE 64u
+#define DPUF_AUTOMATON_NONE (-1)          /* a sparse state's default and mask_at */
 /* response finish reasons */
 #define DPUF_FINISH_NONE 0u
 #define DPUF_FINISH_STOP 1u
@@ -111,7 +117,8 @@ typedef struct dpuf_channel_desc {
     uint32_t max_prompt_tokens; /*  68 longest prompt the GPU side accepts */
     uint32_t features;          /*  72 DPUF_FEATURE_* (minor 1; zero in minor 0) */
     uint32_t max_top_logprobs;  /*  76 alternatives per token, <= 5, with LOGPROBS */
-    uint8_t reserved[48];       /*  80 zero */
+    uint32_t max_automaton_bytes; /* 80 the largest automaton, with CONSTRAINTS (minor 2) */
+    uint8_t reserved[44];       /*  84 zero */
 } dpuf_channel_desc;
 
 /* ---- control blocks ------------------------------------------------------ */
@@ -155,8 +162,31 @@ typedef struct dpuf_request {
     uint32_t stop_token_ids[8]; /*  80 */
     uint32_t epoch;             /* 112 the attachment the DPU wrote it in */
     uint32_t top_logprobs;      /* 116 alternatives wanted, <= 5, with DPUF_FLAG_LOGPROBS */
-    uint8_t reserved[8];        /* 120 zero */
+    uint32_t automaton_bytes;   /* 120 with DPUF_FLAG_CONSTRAINED (minor 2): the automaton
+                                 *     at arena_offset + prompt_len * 4 rounded up to 128 */
+    uint8_t reserved[4];        /* 124 zero */
 } dpuf_request;
+
+/* Structured output's automaton (minor 2), in the arena after its request's
+ * prompt: this header, then six arrays of 32-bit words, in this order:
+ * list_start[states + 1], list_tokens[list_len], list_next[list_len],
+ * default_next[states], mask_at[states] (int32; DPUF_AUTOMATON_NONE in a
+ * sparse state) and masks[dense_states * mask_words] (uint32 bitmasks over
+ * the vocabulary). docs/protocol.md, section 5.4, says how a state is walked
+ * and what a GPU side checks before it walks one. */
+typedef struct dpuf_automaton {
+    char magic[8];              /*   0 DPUF_AUTOMATON_MAGIC */
+    uint32_t header_size;       /*   8 64 */
+    uint32_t vocab_size;        /*  12 the ids it is over */
+    uint32_t eos;               /*  16 the end token: drawing it finishes with STOP */
+    uint32_t states;            /*  20 >= 1; state 0 is the start */
+    uint32_t list_len;          /*  24 (token, next state) pairs of all states */
+    uint32_t mask_words;        /*  28 (vocab_size + 31) / 32 */
+    uint32_t dense_states;      /*  32 bitmasks that follow */
+    uint32_t total_bytes;       /*  36 this header and the arrays */
+    uint64_t key;               /*  40 the constraint's identity: one key, one automaton */
+    uint8_t reserved[16];       /*  48 zero */
+} dpuf_automaton;
 
 /* Header of one response slot; u32 token ids follow at byte 32. Record at
  * ring position p (0-based) lives in slot p % resp_slots, with seq = p + 1,

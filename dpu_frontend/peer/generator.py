@@ -17,6 +17,13 @@ decode instead: every step period each running sequence gets one token, a
 burst of one-token records, and at most ``batch`` sequences of all channels
 run at once while the rest wait for a slot. Pure: the caller passes ``now``.
 
+A constrained request (structured output: an automaton, ``ring.automaton``) walks its
+automaton: the source's token is taken where the automaton allows it and the end can
+still be reached within ``max_tokens``; otherwise the smallest token id that leads
+nearest the end, or the end token where the text may end, which finishes the
+sequence with STOP (``AutomatonWalk``). So every constrained answer that is not cut
+by ``max_tokens`` is a text the constraint accepts.
+
 Both sources are deterministic: the distribution each token is drawn from is
 one-hot. Log probabilities say so: the token's is 0, and its only alternative
 with any probability is itself (``top`` holds it when a request asks for one
@@ -34,6 +41,7 @@ from importlib.resources import files
 from typing import Generic, TypeVar
 
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, TokenLogprobs
+from dpu_frontend.ring.automaton import TokenAutomaton, distances, shortest_token
 
 DOCUMENT_SEPARATOR = "\n%%\n"
 S = TypeVar("S")
@@ -65,6 +73,49 @@ def default_corpus() -> list[str]:
     return [doc.strip() for doc in text.split(DOCUMENT_SEPARATOR) if doc.strip()]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class WalkedAutomaton:
+    """A checked automaton and each state's distance to the end (``distances``): what
+    the walks of one constraint share."""
+
+    automaton: TokenAutomaton
+    distance: Sequence[int]
+
+    @classmethod
+    def of(cls, automaton: TokenAutomaton) -> WalkedAutomaton:
+        return cls(automaton, distances(automaton))
+
+
+@dataclass(slots=True)
+class AutomatonWalk:
+    """One sequence's place in its automaton."""
+
+    walked: WalkedAutomaton
+    state: int = 0
+
+    def choose(self, candidate: int | None, left: int) -> int | None:
+        """The token to emit, given the source's ``candidate`` (None: it ran out) and
+        ``left`` tokens the sequence may still emit, this one included: the candidate
+        where allowed and the end is still within reach, else the smallest token that
+        leads nearest the end, or the end token where the text may end. None: no end
+        is reachable from here (an automaton that cannot finish). The state moves by
+        the token."""
+        a, dist = self.walked.automaton, self.walked.distance
+        if candidate is not None:
+            nxt = a.next_state(self.state, candidate)
+            if nxt is not None and (candidate == a.eos or dist[nxt] <= left - 1):
+                self.state = nxt
+                return candidate
+        if dist[self.state] == 0:
+            return a.eos
+        token = shortest_token(a, dist, self.state)
+        if token is not None:
+            nxt = a.next_state(self.state, token)
+            assert nxt is not None
+            self.state = nxt
+        return token
+
+
 @dataclass(slots=True, eq=False)
 class _Sequence:
     record: GenerateRecord
@@ -72,6 +123,7 @@ class _Sequence:
     started: float
     emitted: int = 0
     last_step: int = 0  # with a StepBatch: the last step that gave it a token
+    walk: AutomatonWalk | None = None  # a constrained request's
 
 
 class StepBatch:
@@ -182,9 +234,12 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         self._turn = 0
         self.stats = GeneratorStats()
 
-    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float,
+              automaton: WalkedAutomaton | None = None) -> None:
+        """Start a sequence; ``automaton`` constrains what it generates."""
         source = self._source(prompt, record.params.seed)
-        seq = self._active[record.request_id] = _Sequence(record, source, now)
+        walk = AutomatonWalk(automaton) if automaton is not None else None
+        seq = self._active[record.request_id] = _Sequence(record, source, now, walk=walk)
         if self.steps is not None:
             self.steps.join(seq, now)
         self.stats.admitted += 1
@@ -273,6 +328,14 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         finish = FinishReason.NONE
         while len(tokens) < limit and seq.emitted + len(tokens) < params.max_tokens:
             token = next(seq.source, None)
+            if seq.walk is not None:
+                token = seq.walk.choose(token, params.max_tokens - seq.emitted - len(tokens))
+                if token is None:
+                    finish = FinishReason.ERROR
+                    break
+                if token == seq.walk.walked.automaton.eos:
+                    finish = FinishReason.STOP
+                    break
             if token is None:  # echo ran out of prompt
                 finish = FinishReason.STOP
                 break

@@ -14,24 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import mmap
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dpu_frontend.config import PeerConfig
-from dpu_frontend.peer.generator import GeneratorStats, StepBatch, TokenGenerator
+from dpu_frontend.errors import ProtocolError
+from dpu_frontend.peer.generator import (
+    GeneratorStats,
+    StepBatch,
+    TokenGenerator,
+    WalkedAutomaton,
+)
 from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.ring import (
     CancelRecord,
+    FinishReason,
     GenerateRecord,
     GpuChannel,
     Layout,
     ResponseRecord,
 )
+from dpu_frontend.ring.automaton import decode_automaton
 from dpu_frontend.ring.mailbox import (
     ChannelState,
     Command,
@@ -42,6 +52,8 @@ from dpu_frontend.ring.mailbox import (
 from dpu_frontend.ring.memory import AtomicMemory
 
 log = logging.getLogger("dpu_frontend.peer")
+#: Checked automata kept (by their bytes' digest) for the requests that bring them again.
+AUTOMATA_CACHED = 16
 
 
 class SequenceSource(Protocol):
@@ -105,7 +117,8 @@ class ReferenceKernel(PeerKernel):
     it goes."""
 
     def __init__(self, config: PeerConfig, corpus: list[list[int]],
-                 eos_token_ids: tuple[int, ...], *, sources: SourceFactory | None = None,
+                 eos_token_ids: tuple[int, ...], *, vocab_size: int = 0,
+                 sources: SourceFactory | None = None,
                  between_steps: Callable[[], Awaitable[bool]] | None = None,
                  stats: Callable[[], dict[str, Any]] | None = None,
                  opened: Callable[[AtomicMemory, Layout], None] | None = None,
@@ -113,6 +126,9 @@ class ReferenceKernel(PeerKernel):
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
+        #: Structured output: automata are over this vocabulary (the tokenizer's).
+        self._vocab_size = vocab_size
+        self._automata: OrderedDict[bytes, WalkedAutomaton] = OrderedDict()
         self._sources = sources or self._generator
         self._between_steps = between_steps
         self._stats = stats
@@ -226,7 +242,7 @@ class ReferenceKernel(PeerKernel):
     def _intake(self, channel: _Channel, now: float) -> None:
         ring, generator = channel.ring, channel.generator
         outbox = channel.outbox
-        for record, prompt in ring.poll_requests():
+        for record, prompt, automaton in ring.poll_requests():
             if isinstance(record, CancelRecord):
                 final = generator.cancel(record.request_id)
                 if final is not None:
@@ -240,8 +256,35 @@ class ReferenceKernel(PeerKernel):
                 # A duplicate id, a DPU that broke its sequence window, or one asking for
                 # log probabilities this channel does not offer.
                 ring.refuse()
+            elif automaton:
+                walked = self._walked(automaton)
+                if walked is None or not isinstance(generator, TokenGenerator):
+                    # An automaton that fails its checks: refused, and answered at once,
+                    # so that its stream ends with an error instead of waiting.
+                    ring.refuse()
+                    outbox.append(ResponseRecord(record.request_id, (), FinishReason.ERROR))
+                else:
+                    generator.admit(record, prompt, now, walked)
             else:
                 generator.admit(record, prompt, now)
+
+    def _walked(self, encoded: bytes) -> WalkedAutomaton | None:
+        """The checked automaton of ``encoded``, from the cache where the same bytes came
+        before (one constraint, many requests); None, logged, if it fails a check."""
+        digest = hashlib.blake2b(encoded, digest_size=16).digest()
+        walked = self._automata.get(digest)
+        if walked is not None:
+            self._automata.move_to_end(digest)
+            return walked
+        try:
+            walked = WalkedAutomaton.of(decode_automaton(encoded, self._vocab_size))
+        except ProtocolError as exc:
+            log.warning("constrained request refused: %s", exc)
+            return None
+        self._automata[digest] = walked
+        while len(self._automata) > AUTOMATA_CACHED:
+            self._automata.popitem(last=False)
+        return walked
 
     def _publish(self, channel: _Channel, now: float) -> None:
         ring, generator, outbox = channel.ring, channel.generator, channel.outbox

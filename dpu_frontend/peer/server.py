@@ -337,18 +337,21 @@ class TokenSource:
     corpus: list[list[int]]
     eos_token_ids: tuple[int, ...]
     model: dict[str, Any]
+    vocab_size: int = 0  # the tokenizer's: structured output's automata are over it
 
     @classmethod
     def load(cls, config: PeerConfig, peer: str) -> TokenSource:
         vocab = Vocabulary.load(config.tokenizer or default_tokenizer_dir())
         return cls([vocab.encode(doc) for doc in default_corpus()], vocab.eos_token_ids,
                    {"eos_token_ids": list(vocab.eos_token_ids),
-                    "peer": f"{peer} {__version__}", "mode": config.mode})
+                    "peer": f"{peer} {__version__}", "mode": config.mode},
+                   vocab.tokenizer.get_vocab_size())
 
 
 def reference_model(config: PeerConfig) -> tuple[ReferenceKernel, dict[str, Any]]:
     source = TokenSource.load(config, "dpu-frontend-peer")
-    return ReferenceKernel(config, source.corpus, source.eos_token_ids), source.model
+    return (ReferenceKernel(config, source.corpus, source.eos_token_ids,
+                            vocab_size=source.vocab_size), source.model)
 
 
 async def serve_peer(server: PeerServer) -> int:

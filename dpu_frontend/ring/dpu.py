@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpu_frontend.errors import PromptTooLong, ProtocolError, RequestError
+from dpu_frontend.ring.automaton import Constraint
 from dpu_frontend.ring.layout import ALIGN, DPU_CTRL, GPU_CTRL, ChannelLayout, align
 from dpu_frontend.ring.records import (
     COMMIT,
@@ -80,6 +81,7 @@ MIN_WINDOW = 16
 class _Pending:
     record: RequestRecord
     prompt: bytes  # u32 little-endian token ids, empty for a cancel
+    automaton: bytes = b""  # an encoded automaton (ring.automaton), after the prompt
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -114,9 +116,16 @@ class DpuChannel:
 
     # -- requests ---------------------------------------------------------
 
-    def submit(self, request_id: int, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Queue a generate request; ``take_writes`` sends it when credits allow."""
+    def submit(self, request_id: int, prompt: Sequence[int], params: SamplingParams,
+               constraint: Constraint | None = None) -> None:
+        """Queue a generate request; ``take_writes`` sends it when credits allow.
+        ``constraint``'s automaton constrains its tokens; a channel that does not take
+        one, or not that large, is the request's error on the constraint's field."""
         limit = self.layout.max_prompt_tokens
+        automaton = b""
+        if constraint is not None:
+            automaton = constraint.automaton
+            self._check_automaton(len(automaton), constraint.param)
         if not self.layout.offers_logprobs(params.logprobs):
             if not self.layout.logprobs:
                 raise RequestError("the GPU peer does not compute log probabilities",
@@ -129,9 +138,21 @@ class DpuChannel:
                 f"prompt of {len(prompt)} tokens exceeds what the GPU peer takes "
                 f"({limit} tokens)", param="prompt", code="context_length_exceeded",
             )
-        self._pending.append(_Pending(GenerateRecord(request_id, 0, len(prompt), params),
-                                      pack_tokens(prompt)))
+        self._pending.append(_Pending(
+            GenerateRecord(request_id, 0, len(prompt), params, len(automaton)),
+            pack_tokens(prompt), automaton))
         self._pending_tokens += len(prompt)
+
+    def _check_automaton(self, nbytes: int, param: str) -> None:
+        layout = self.layout
+        if not layout.constraints:
+            raise RequestError("the GPU peer does not decode structured output (its ring "
+                               "layout offers no constraints)", param=param,
+                               code="unsupported_parameter")
+        if nbytes > layout.max_automaton_bytes:
+            raise RequestError(f"the constraint's automaton takes {nbytes} bytes, more than "
+                               f"the {layout.max_automaton_bytes} the GPU peer takes",
+                               param=param, code="constraint_too_large")
 
     def cancel(self, request_id: int) -> bool:
         """Stop ``request_id``. False if it never left this object (nothing will answer it)."""
@@ -178,12 +199,18 @@ class DpuChannel:
             record = item.record
             if not isinstance(record, GenerateRecord):
                 raise TypeError("only generates wait in the pending queue")
-            placed = self._place_prompt(len(item.prompt))
+            span = (align(len(item.prompt), ALIGN) + len(item.automaton) if item.automaton
+                    else len(item.prompt))
+            placed = self._place_prompt(span)
             if placed is None:
                 break  # the arena is full: FIFO order keeps arena reclamation trivial
-            record = GenerateRecord(record.request_id, placed, record.prompt_len, record.params)
+            record = GenerateRecord(record.request_id, placed, record.prompt_len, record.params,
+                                    record.automaton_bytes)
             if item.prompt:
                 ops.append(WriteOp(layout.arena_offset + placed, item.prompt))
+            if item.automaton:
+                ops.append(WriteOp(layout.arena_offset + record.automaton_offset,
+                                   item.automaton))
             self._write_record(ops, record)
             self._open.add(record.request_id)
             sent.append(record.request_id)

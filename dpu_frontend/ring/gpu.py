@@ -19,7 +19,7 @@ from __future__ import annotations
 import array
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dpu_frontend.errors import ProtocolError
 from dpu_frontend.ring.layout import ALIGN, CTRL_SIZE, DPU_CTRL_STRUCT, GPU_CTRL_STRUCT, ChannelLayout
@@ -51,6 +51,16 @@ class RingMemory(Protocol):
     def read(self, offset: int, length: int) -> bytes: ...
 
     def write(self, offset: int, data: bytes | memoryview) -> None: ...
+
+
+class Taken(NamedTuple):
+    """A request record taken from the ring, with what it carries in the arena, copied
+    out: the prompt, and the encoded automaton of a constrained request (checked by
+    whoever walks it: ``ring.automaton.decode_automaton``)."""
+
+    record: RequestRecord
+    prompt: tuple[int, ...] = ()
+    automaton: bytes = b""
 
 
 @dataclass(slots=True)
@@ -100,8 +110,9 @@ class GpuChannel:
 
     # -- requests ---------------------------------------------------------------
 
-    def poll_requests(self) -> list[tuple[RequestRecord, tuple[int, ...]]]:
-        """Every request record committed since the last call, with its prompt copied out.
+    def poll_requests(self) -> list[Taken]:
+        """Every request record committed since the last call, with its prompt (and
+        automaton) copied out.
 
         A slot is valid once its commit word (acquire load) equals the expected
         sequence number. A record that breaks the protocol (another epoch, an
@@ -109,7 +120,7 @@ class GpuChannel:
         ``bad_records`` and skipped: consumed, never answered, and the channel
         goes on.
         """
-        out: list[tuple[RequestRecord, tuple[int, ...]]] = []
+        out: list[Taken] = []
         lay, mem = self.layout, self.mem
         while True:
             slot = lay.req_slot_offset(self._next_seq)
@@ -119,11 +130,12 @@ class GpuChannel:
             self.counters.records += 1
             try:
                 record = decode_request(mem.read(slot, lay.req_slot_size), self.epoch)
-                prompt = self._read_prompt(record) if isinstance(record, GenerateRecord) else ()
+                taken = (Taken(record, self._read_prompt(record), self._read_automaton(record))
+                         if isinstance(record, GenerateRecord) else Taken(record))
             except ProtocolError:
                 self.counters.bad_records += 1
                 continue
-            out.append((record, prompt))
+            out.append(taken)
         if self._next_seq - 1 != self._consumed_published:  # taken records, bad ones too
             # The prompts are copied out above, so the DPU may reuse the slots and the
             # arena spans as soon as it sees this index (release).
@@ -148,6 +160,18 @@ class GpuChannel:
         ids = array.array("I")
         ids.frombytes(self.mem.read(lay.arena_offset + record.arena_offset, record.prompt_len * 4))
         return tuple(ids)
+
+    def _read_automaton(self, record: GenerateRecord) -> bytes:
+        lay = self.layout
+        n = record.automaton_bytes
+        if not n:
+            return b""
+        start = record.automaton_offset
+        if not lay.constraints or n > lay.max_automaton_bytes or start + n > lay.arena_size:
+            raise ProtocolError(f"request {record.request_id}: an automaton of {n} bytes at "
+                                f"{start} on a channel that takes {lay.max_automaton_bytes} "
+                                f"in an arena of {lay.arena_size}")
+        return self.mem.read(lay.arena_offset + start, n)
 
     # -- responses --------------------------------------------------------------
 

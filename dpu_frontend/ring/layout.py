@@ -1,4 +1,4 @@
-"""The layout record (protocol v2): what the GPU side publishes at offset 0 of its region.
+"""The layout record (protocol v2.2): what the GPU side publishes at offset 0 of its region.
 
 The daemon reads it once per connection (an RDMA READ, or a copy over shm)
 and refuses to run on anything it does not understand: a wrong magic, another
@@ -17,7 +17,10 @@ from dpu_frontend.ring.cstruct import CStruct
 
 MAGIC = b"DPUFRING"
 VERSION_MAJOR = 2
-VERSION_MINOR = 1  # 1: log probabilities (channel features, request and response fields)
+#: 1: log probabilities (channel features, request and response fields); 2: structured
+#: output's automata (a channel feature and its bound, a request flag and the automaton's
+#: size; the automaton follows the prompt in the arena).
+VERSION_MINOR = 2
 
 #: Every block, ring and prompt span starts on a 128-byte boundary: the GPU's
 #: L2 line and a full PCIe/NIC cache line on the Arm cores, so no two owners
@@ -34,7 +37,7 @@ CHANNEL_STRUCT = CStruct("dpuf_channel_desc", (
     ("arena_offset", "Q"), ("arena_size", "Q"), ("resp_ring_offset", "Q"),
     ("resp_slots", "I"), ("resp_slot_size", "I"), ("gpu_ctrl_offset", "Q"),
     ("dpu_ctrl_offset", "Q"), ("max_sequences", "I"), ("max_prompt_tokens", "I"),
-    ("features", "I"), ("max_top_logprobs", "I"),
+    ("features", "I"), ("max_top_logprobs", "I"), ("max_automaton_bytes", "I"),
 ), 128)
 HEADER = HEADER_STRUCT.codec
 HEADER_SIZE = HEADER_STRUCT.size
@@ -65,8 +68,13 @@ TOKEN_LOGPROBS_STRUCT = CStruct("dpuf_token_logprobs", (
     ("token", "I"), ("logprob", "f"), ("top_ids", f"{MAX_TOP_LOGPROBS}I"),
     ("top_logprobs", f"{MAX_TOP_LOGPROBS}f"),
 ), 48)
-#: Channel feature bits (``features`` of the channel descriptor, minor version 1).
+#: Channel feature bits (``features`` of the channel descriptor): log probabilities
+#: (minor version 1), structured output's automata (minor version 2).
 FEATURE_LOGPROBS = 1 << 0
+FEATURE_CONSTRAINTS = 1 << 1
+#: An automaton's header (``ring.automaton``): a channel that takes automata takes one
+#: at least this large.
+AUTOMATON_HEADER_SIZE = 64
 #: The smallest response slot that holds one token with its log probabilities.
 MIN_LOGPROBS_SLOT_SIZE = 96
 #: Response slots are whole 32-byte sectors, so that 128-byte-aligned rings
@@ -96,6 +104,7 @@ class ChannelLayout:
     max_prompt_tokens: int  # the longest prompt the GPU side takes
     features: int = 0  # FEATURE_* bits (zero in a minor-0 layout: reserved bytes)
     max_top_logprobs: int = 0  # alternatives per token the GPU side gives, with logprobs
+    max_automaton_bytes: int = 0  # with FEATURE_CONSTRAINTS: the largest automaton it takes
 
     @property
     def tokens_per_response(self) -> int:
@@ -110,6 +119,11 @@ class ChannelLayout:
         """Whether a request asking for ``asked`` alternatives (None: no log
         probabilities) can be served on this channel."""
         return asked is None or (self.logprobs and asked <= self.max_top_logprobs)
+
+    @property
+    def constraints(self) -> bool:
+        """Whether the GPU side walks structured output's automata."""
+        return bool(self.features & FEATURE_CONSTRAINTS)
 
     @property
     def logprob_tokens_per_response(self) -> int:
@@ -165,7 +179,7 @@ class Layout:
                 ch.arena_offset, ch.arena_size,
                 ch.resp_ring_offset, ch.resp_slots, ch.resp_slot_size,
                 ch.gpu_ctrl_offset, ch.dpu_ctrl_offset, ch.max_sequences, ch.max_prompt_tokens,
-                ch.features, ch.max_top_logprobs,
+                ch.features, ch.max_top_logprobs, ch.max_automaton_bytes,
             )
         return bytes(out)
 
@@ -198,7 +212,11 @@ def decode_layout(data: bytes | memoryview) -> Layout:
         for i in range(count)
     )
     if minor == 0:  # the feature words were reserved: a v2.0 peer offers no feature
-        channels = tuple(replace(ch, features=0, max_top_logprobs=0) for ch in channels)
+        channels = tuple(replace(ch, features=0, max_top_logprobs=0, max_automaton_bytes=0)
+                         for ch in channels)
+    elif minor == 1:  # the automaton's bound was reserved, and so was its feature bit
+        channels = tuple(replace(ch, features=ch.features & FEATURE_LOGPROBS,
+                                 max_automaton_bytes=0) for ch in channels)
     layout = Layout(region_size, instance, channels, major, minor)
     validate(layout)
     return layout
@@ -249,6 +267,12 @@ def validate(layout: Layout) -> None:
         if not 1 <= ch.max_prompt_tokens <= ch.arena_tokens:
             raise LayoutMismatch(f"{where}: max_prompt_tokens {ch.max_prompt_tokens} outside "
                                  f"[1, {ch.arena_tokens}] (the arena)")
+        if ch.constraints and not (
+                ch.max_automaton_bytes >= AUTOMATON_HEADER_SIZE
+                and align(4 * ch.max_prompt_tokens) + ch.max_automaton_bytes <= ch.arena_size):
+            raise LayoutMismatch(f"{where}: the arena ({ch.arena_size} bytes) cannot hold the "
+                                 f"longest prompt and an automaton of max_automaton_bytes "
+                                 f"{ch.max_automaton_bytes}")
         for name, offset, size in ch.spans():
             if offset % ALIGN:
                 raise LayoutMismatch(f"{where}: {name} at {offset} is not {ALIGN}-byte aligned")
@@ -288,6 +312,11 @@ class Geometry:
     # The GPU side computes log probabilities (FEATURE_LOGPROBS).
     logprobs: bool = field(default=True, metadata=about(
         f"offer log probabilities (needs --resp-slot-size >= {MIN_LOGPROBS_SLOT_SIZE})"))
+    # The GPU side walks structured output's automata (FEATURE_CONSTRAINTS); a request's
+    # automaton follows its prompt in the arena.
+    max_automaton_bytes: int = field(default=0, metadata=about(
+        "the largest structured-output automaton a request may carry; the arena holds it "
+        "beside the longest prompt; 0: no structured output"))
 
     def __post_init__(self) -> None:
         if self.channels < 1:
@@ -307,13 +336,25 @@ class Geometry:
         if not 0 <= self.max_prompt_tokens <= self.arena_bytes // 4:
             raise ValueError(f"max_prompt_tokens must be in [0, {self.arena_bytes // 4}] "
                              "(0: the whole arena)")
+        if self.max_automaton_bytes and not (
+                self.max_automaton_bytes >= AUTOMATON_HEADER_SIZE
+                and self.prompt_tokens >= 1
+                and align(4 * self.prompt_tokens) + self.max_automaton_bytes <= self.arena_bytes):
+            raise ValueError(f"max_automaton_bytes ({self.max_automaton_bytes}) and the "
+                             f"longest prompt must fit the arena ({self.arena_bytes} bytes), "
+                             f"and an automaton takes at least {AUTOMATON_HEADER_SIZE}: lower "
+                             "max_automaton_bytes (0: no structured output) or raise "
+                             "arena_bytes")
         if self.logprobs and self.resp_slot_size < MIN_LOGPROBS_SLOT_SIZE:
             raise ValueError(f"resp_slot_size must be >= {MIN_LOGPROBS_SLOT_SIZE} to carry "
                              "log probabilities (or turn them off: --no-logprobs)")
 
     @property
     def prompt_tokens(self) -> int:
-        return self.max_prompt_tokens or self.arena_bytes // 4
+        """The longest prompt: ``max_prompt_tokens``, or what the arena holds beside an
+        automaton (in whole 128-byte lines)."""
+        return self.max_prompt_tokens or (
+            (self.arena_bytes - align(self.max_automaton_bytes)) // ALIGN * ALIGN // 4)
 
     def plan(self, instance: int) -> Layout:
         """Place every channel's blocks one after another, each 128-byte aligned."""
@@ -333,8 +374,10 @@ class Geometry:
                 resp_slot_size=self.resp_slot_size,
                 gpu_ctrl_offset=gpu_ctrl, dpu_ctrl_offset=dpu_ctrl,
                 max_sequences=self.max_sequences, max_prompt_tokens=self.prompt_tokens,
-                features=FEATURE_LOGPROBS if self.logprobs else 0,
+                features=((FEATURE_LOGPROBS if self.logprobs else 0)
+                          | (FEATURE_CONSTRAINTS if self.max_automaton_bytes else 0)),
                 max_top_logprobs=MAX_TOP_LOGPROBS if self.logprobs else 0,
+                max_automaton_bytes=self.max_automaton_bytes,
             ))
         layout = Layout(region_size=align(offset, 4096), instance=instance, channels=tuple(channels))
         validate(layout)

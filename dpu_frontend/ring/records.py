@@ -1,4 +1,4 @@
-"""Fixed binary records of the ring protocol v2 (docs/protocol.md, "Records").
+"""Fixed binary records of the ring protocol v2.2 (docs/protocol.md, "Records").
 
 Every layout here is little-endian with natural alignment, so that a CUDA
 kernel reads it with plain loads into a C struct. Nothing in this module does
@@ -33,10 +33,10 @@ REQUEST_STRUCT = CStruct("dpuf_request", (
     ("top_p", "f"), ("top_k", "i"), ("min_p", "f"), ("seed", "Q"),
     ("presence_penalty", "f"), ("frequency_penalty", "f"), ("repetition_penalty", "f"),
     ("n_stop_token_ids", "I"), ("stop_token_ids", f"{MAX_STOP_TOKEN_IDS}I"), ("epoch", "I"),
-    ("top_logprobs", "I"),
+    ("top_logprobs", "I"), ("automaton_bytes", "I"),
 ), REQUEST_SLOT_SIZE)
 REQUEST_BODY_OFFSET = 8
-#: Request record body, from byte 8 to byte 116 of the slot (then reserved zero).
+#: Request record body, from byte 8 to byte 124 of the slot (then reserved zero).
 REQUEST_BODY = struct.Struct("<" + REQUEST_STRUCT.codec.format[2:])
 #: Response record header; token ids (or, with RESPONSE_LOGPROBS, 48-byte
 #: ``dpuf_token_logprobs`` entries) follow at byte 32.
@@ -52,6 +52,8 @@ TOKEN_LOGPROBS_SIZE = TOKEN_LOGPROBS_STRUCT.size
 FLAG_IGNORE_EOS = 1 << 0
 FLAG_HAS_SEED = 1 << 1
 FLAG_LOGPROBS = 1 << 2  # minor version 1: log probabilities, ``top_logprobs`` alternatives
+#: Minor version 2: an automaton of ``automaton_bytes`` follows the prompt in the arena.
+FLAG_CONSTRAINED = 1 << 3
 #: Response record flags: the payload is token entries with log probabilities.
 RESPONSE_LOGPROBS = 1 << 0
 
@@ -118,6 +120,14 @@ class GenerateRecord:
     arena_offset: int  # byte offset of the prompt inside the channel's arena
     prompt_len: int  # in tokens (u32 each)
     params: SamplingParams
+    #: Structured output: the automaton's size; it starts at the prompt's offset plus
+    #: the prompt's bytes rounded up to 128 (``automaton_offset``). 0: unconstrained.
+    automaton_bytes: int = 0
+
+    @property
+    def automaton_offset(self) -> int:
+        """Where the automaton starts in the arena."""
+        return self.arena_offset + (self.prompt_len * 4 + 127) // 128 * 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,19 +143,20 @@ def encode_request_body(record: RequestRecord, epoch: int) -> bytes:
     if isinstance(record, CancelRecord):
         body = REQUEST_BODY.pack(
             RecordKind.CANCEL, 0, record.request_id, 0, 0, 0,
-            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS), epoch, 0,
+            0.0, 0.0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0, *([0] * MAX_STOP_TOKEN_IDS), epoch, 0, 0,
         )
     else:
         p = record.params
         flags = ((FLAG_IGNORE_EOS if p.ignore_eos else 0)
                  | (FLAG_HAS_SEED if p.seed is not None else 0)
-                 | (FLAG_LOGPROBS if p.logprobs is not None else 0))
+                 | (FLAG_LOGPROBS if p.logprobs is not None else 0)
+                 | (FLAG_CONSTRAINED if record.automaton_bytes else 0))
         stops = list(p.stop_token_ids) + [0] * (MAX_STOP_TOKEN_IDS - len(p.stop_token_ids))
         body = REQUEST_BODY.pack(
             RecordKind.GENERATE, flags, record.request_id, record.arena_offset,
             record.prompt_len, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p,
             p.seed or 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-            len(p.stop_token_ids), *stops, epoch, p.logprobs or 0,
+            len(p.stop_token_ids), *stops, epoch, p.logprobs or 0, record.automaton_bytes,
         )
     return body + bytes(REQUEST_SLOT_SIZE - REQUEST_BODY_OFFSET - len(body))
 
@@ -159,7 +170,8 @@ def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
      top_k, min_p, seed, presence, frequency, repetition, n_stop, *rest) = (
         REQUEST_BODY.unpack_from(slot, REQUEST_BODY_OFFSET)
     )
-    stops, (record_epoch, top_logprobs) = rest[:MAX_STOP_TOKEN_IDS], rest[MAX_STOP_TOKEN_IDS:]
+    stops, (record_epoch, top_logprobs, automaton_bytes) = (rest[:MAX_STOP_TOKEN_IDS],
+                                                            rest[MAX_STOP_TOKEN_IDS:])
     if record_epoch != epoch:
         raise ProtocolError(f"request record of epoch {record_epoch} in epoch {epoch}")
     if kind == RecordKind.CANCEL:
@@ -170,6 +182,9 @@ def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
         raise ProtocolError(f"request record declares {n_stop} stop token ids")
     if max_tokens < 1:
         raise ProtocolError(f"request record {request_id} asks for max_tokens 0")
+    if bool(flags & FLAG_CONSTRAINED) != bool(automaton_bytes):
+        raise ProtocolError(f"request record {request_id}: automaton of {automaton_bytes} "
+                            f"bytes with flags {flags:#x}")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=_f32(temperature), top_p=_f32(top_p),
@@ -182,7 +197,7 @@ def decode_request(slot: bytes | memoryview, epoch: int) -> RequestRecord:
         )
     except ValueError as exc:
         raise ProtocolError(f"request record {request_id}: {exc}") from exc
-    return GenerateRecord(request_id, arena_offset, prompt_len, params)
+    return GenerateRecord(request_id, arena_offset, prompt_len, params, automaton_bytes)
 
 
 def _f32(x: float) -> float:

@@ -7,18 +7,7 @@ then a deterministic automaton over the model's token ids (``outlines-core``'s
 GPU walks: each step masks the logits by the sequence's state, draws, and moves the
 state by the drawn token, so nothing waits for the DPU per token.
 
-``TokenAutomaton`` is the walked form, compact enough to travel with a request:
-
-- states are numbered 0..S-1 in breadth-first order from the start, state 0;
-- a state holds a sorted list of (token, next state) pairs, and either nothing more
-  (a *sparse* state: the list is every allowed token) or a bitmask over the
-  vocabulary with a default next state (a *dense* state: the tokens of a JSON
-  string's inside, most of the vocabulary, nearly all going to one state; the list
-  then holds only the allowed tokens whose next state is not the default);
-- token ``t`` is allowed in state ``s`` if it is in the list or its bit is set; its
-  next state is the list's where listed, else the default;
-- the end token (the model's, one id) is allowed exactly where the constraint's text
-  may end, and leads back to the same state.
+The automaton and its wire form are ``ring.automaton``'s.
 
 Compiled automata are cached by the constraint's hash, bounded by count and bytes;
 a constraint that does not compile, or whose automaton is larger than allowed, is a
@@ -29,21 +18,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import threading
-from array import array
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from tokenizers import Tokenizer
 
+from dpu_frontend.ring.automaton import TokenAutomaton, build_automaton, encode_automaton
 from dpu_frontend.text.token_bytes import TokenBytes
 
 Kind = Literal["json_object", "json_schema", "regex", "choice"]
 
-#: No list entry: a sparse state's default, and the bitmask offset of a sparse state.
-NONE = -1
 #: JSON Schema keywords that constrain a value but that outlines-core's translation
 #: ignores: refused, never served as if they held.
 UNSUPPORTED_KEYWORDS = frozenset({
@@ -109,9 +98,11 @@ class ConstraintSpec:
         return hashlib.sha256(f"{self.kind}\0{eos}\0{self.source}".encode()).hexdigest()
 
     def pattern(self) -> str:
-        """The regular expression the automaton is built from."""
+        """The regular expression the automaton is built from. A regex matches the whole
+        answer: a ``^`` at its start and a ``$`` at its end say nothing more, and
+        outlines-core refuses anchors, so they go."""
         if self.kind == "regex":
-            return self.source
+            return _unanchored(self.source)
         if self.kind == "choice":
             return "|".join(f"({_escape(c)})" for c in json.loads(self.source))
         from outlines_core.json_schema import build_regex_from_schema
@@ -145,121 +136,76 @@ def _unsupported(schema: Any, path: str) -> str | None:
     return None
 
 
+def _unanchored(pattern: str) -> str:
+    """``pattern`` less one leading ``^`` and one trailing unescaped ``$``."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$"):
+        body = pattern[:-1]
+        if (len(body) - len(body.rstrip("\\"))) % 2 == 0:  # not an escaped "\$"
+            pattern = body
+    return pattern
+
+
 def _escape(text: str) -> str:
     return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
 
 
-@dataclass(frozen=True, slots=True)
-class TokenAutomaton:
-    """A constraint's automaton over token ids (module docstring). Arrays of int32:
-    ``list_start`` [S + 1] into ``list_tokens``/``list_next`` (each state's run sorted by
-    token), ``default_next`` [S] and ``mask_at`` [S] (the word offset of a dense
-    state's bitmask in ``masks``, else NONE); ``masks`` of uint32 words, one bitmask
-    of ``mask_words`` words a dense state."""
-
-    vocab_size: int
-    eos: int
-    list_start: array[int]
-    list_tokens: array[int]
-    list_next: array[int]
-    default_next: array[int]
-    mask_at: array[int]
-    masks: array[int]
-
-    @property
-    def states(self) -> int:
-        return len(self.default_next)
-
-    @property
-    def mask_words(self) -> int:
-        return (self.vocab_size + 31) // 32
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.itemsize * len(a) for a in (self.list_start, self.list_tokens,
-                                                  self.list_next, self.default_next,
-                                                  self.mask_at, self.masks))
-
-    def next_state(self, state: int, token: int) -> int | None:
-        """Where ``token`` leads from ``state``; None where it is not allowed."""
-        lo, hi = self.list_start[state], self.list_start[state + 1]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.list_tokens[mid] < token:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < self.list_start[state + 1] and self.list_tokens[lo] == token:
-            return int(self.list_next[lo])
-        at = self.mask_at[state]
-        if at != NONE and 0 <= token < self.vocab_size and (
-                self.masks[at + token // 32] >> (token % 32)) & 1:
-            return int(self.default_next[state])
-        return None
-
-    def allowed(self, state: int) -> list[int]:
-        """Every token allowed in ``state``, ascending."""
-        listed = set(self.list_tokens[self.list_start[state]:self.list_start[state + 1]])
-        at = self.mask_at[state]
-        if at != NONE:
-            for word in range(self.mask_words):
-                bits = self.masks[at + word]
-                while bits:
-                    low = bits & -bits
-                    listed.add(word * 32 + low.bit_length() - 1)
-                    bits ^= low
-        return sorted(listed)
-
-    def may_end(self, state: int) -> bool:
-        return self.next_state(state, self.eos) is not None
-
-    def walk(self, tokens: Iterable[int]) -> int | None:
-        """The state after ``tokens`` from the start; None if one is not allowed."""
-        state: int | None = 0
-        for token in tokens:
-            if state is None:
-                return None
-            state = self.next_state(state, token)
-        return state
+def key_bits(key: str) -> int:
+    """A constraint's cache key as the automaton's 64-bit ``key`` (its first 16 digits)."""
+    return int(key[:16], 16)
 
 
-def build_automaton(transitions: dict[int, dict[int, int]], initial: int, vocab_size: int,
-                    eos: int) -> TokenAutomaton:
-    """``TokenAutomaton`` from outlines-core's ``Index.get_transitions()`` (state ->
-    {token: next state}, states numbered sparsely), renumbered breadth-first from
-    ``initial``; a state is dense where its bitmask is smaller than its list would be."""
-    order = [initial]
-    number = {initial: 0}
-    for state in order:
-        for target in sorted(set(transitions.get(state, {}).values())):
-            if target not in number:
-                number[target] = len(order)
-                order.append(target)
-    mask_words = (vocab_size + 31) // 32
-    list_start, list_tokens, list_next = array("i", [0]), array("i"), array("i")
-    default_next, mask_at, masks = array("i"), array("i"), array("I")
-    for state in order:
-        edges = transitions.get(state, {})
-        dense = len(edges) * 2 > mask_words
-        default = NONE
-        if dense:
-            default = number[Counter(edges.values()).most_common(1)[0][0]]
-            words = [0] * mask_words
-            for token in edges:
-                words[token // 32] |= 1 << (token % 32)
-            mask_at.append(len(masks))
-            masks.extend(words)
-        else:
-            mask_at.append(NONE)
-        default_next.append(default)
-        for token in sorted(edges):
-            target = number[edges[token]]
-            if not dense or target != default:
-                list_tokens.append(token)
-                list_next.append(target)
-        list_start.append(len(list_tokens))
-    return TokenAutomaton(vocab_size, eos, list_start, list_tokens, list_next, default_next,
-                          mask_at, masks)
+V = TypeVar("V")
+
+
+class Lru(Generic[V]):
+    """At most ``max_entries`` values and ``max_bytes`` of them (``size`` says a value's),
+    the least recently used going first. Thread-safe."""
+
+    def __init__(self, max_entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._size = size
+        self._items: OrderedDict[str, V] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: V) -> V:
+        """Keep ``value`` (unless one came meanwhile: that one stays, and is returned)."""
+        with self._lock:
+            kept = self._items.get(key)
+            if kept is not None:
+                return kept
+            self._items[key] = value
+            self._bytes += self._size(value)
+            while self._items and (len(self._items) > self.max_entries
+                                   or self._bytes > self.max_bytes):
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= self._size(dropped)
+            return value
+
+    def usage(self) -> tuple[int, int]:
+        """(values, bytes) kept."""
+        with self._lock:
+            return len(self._items), self._bytes
+
+
+class Compiled(NamedTuple):
+    """A compiled constraint: its automaton, and that automaton's wire form."""
+
+    automaton: TokenAutomaton
+    encoded: bytes
+
+    def size(self) -> int:
+        return self.automaton.nbytes + len(self.encoded)
 
 
 class ConstraintCompiler:
@@ -278,9 +224,7 @@ class ConstraintCompiler:
         self.max_cached_bytes = max_cached_bytes
         self.max_automaton_bytes = max_automaton_bytes
         self._vocabulary: Any = None
-        self._cache: OrderedDict[str, TokenAutomaton] = OrderedDict()
-        self._cached_bytes = 0
-        self._lock = threading.Lock()
+        self._cache: Lru[Compiled] = Lru(max_entries, max_cached_bytes, Compiled.size)
 
     def vocabulary(self) -> Any:
         """outlines-core's ``Vocabulary``: every token's exact bytes, the special
@@ -299,27 +243,26 @@ class ConstraintCompiler:
         return self._vocabulary
 
     def compile(self, spec: ConstraintSpec) -> TokenAutomaton:
+        """The constraint's automaton (compiled once, then from the cache)."""
+        return self._compiled(spec).automaton
+
+    def encoded(self, spec: ConstraintSpec) -> bytes:
+        """The automaton's wire form (``ring.automaton``), keyed by the constraint: one
+        bytes object that every request of that constraint shares while it is cached."""
+        return self._compiled(spec).encoded
+
+    def _compiled(self, spec: ConstraintSpec) -> Compiled:
         key = spec.key(self.eos)
-        with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                return cached
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
         automaton = self._build(spec)
-        with self._lock:
-            if key not in self._cache:
-                self._cache[key] = automaton
-                self._cached_bytes += automaton.nbytes
-                while self._cache and (len(self._cache) > self.max_entries
-                                       or self._cached_bytes > self.max_cached_bytes):
-                    _, dropped = self._cache.popitem(last=False)
-                    self._cached_bytes -= dropped.nbytes
-        return automaton
+        return self._cache.put(key, Compiled(automaton, encode_automaton(automaton,
+                                                                         key_bits(key))))
 
     def cached(self) -> tuple[int, int]:
-        """(automata, bytes) in the cache."""
-        with self._lock:
-            return len(self._cache), self._cached_bytes
+        """(automata, bytes) in the cache: each automaton's arrays and its wire form."""
+        return self._cache.usage()
 
     def _build(self, spec: ConstraintSpec) -> TokenAutomaton:
         from outlines_core import Index
@@ -338,3 +281,119 @@ class ConstraintCompiler:
                 f"the {self.max_automaton_bytes} allowed ({automaton.states} states)",
                 spec.param)
         return automaton
+
+
+#: Seconds the compiler's process gets to start and build its vocabulary.
+COMPILER_START_S = 120.0
+
+
+class CompilerProcess:
+    """The daemon's compiler: a ``ConstraintCompiler`` in a child process of its own, one
+    compile at a time, each bounded by ``timeout_s``. A constraint that takes longer (a
+    pathological regex, an open-ended schema over a large vocabulary) is a
+    ``ConstraintError``, and the child is killed and started again on the next one:
+    no compile can hold the daemon's CPU or memory for long. The encoded automata are
+    cached here, in the daemon, by the constraint's hash within ``max_entries`` and
+    ``max_cached_bytes``. Thread-safe; each call blocks: run it off the event loop."""
+
+    def __init__(self, tokenizer_file: Path, eos: int, *, vocab_size: int,
+                 max_entries: int = 64, max_cached_bytes: int = 512 << 20,
+                 max_automaton_bytes: int = 32 << 20, timeout_s: float = 20.0) -> None:
+        self.tokenizer_file = tokenizer_file
+        self.eos = eos
+        self.vocab_size = vocab_size
+        self.max_automaton_bytes = max_automaton_bytes
+        self.timeout_s = timeout_s
+        self.compiles = 0  # constraints compiled (cache misses that succeeded)
+        self.kills = 0  # children killed for taking too long
+        self._cache: Lru[bytes] = Lru(max_entries, max_cached_bytes, len)
+        self._lock = threading.Lock()  # one compile at a time, in the one child
+        self._child: Any = None  # multiprocessing's Process
+        self._conn: Any = None  # its end of the pipe
+
+    def encoded(self, spec: ConstraintSpec) -> bytes:
+        """The constraint's automaton in its wire form, from the cache or compiled."""
+        key = spec.key(self.eos)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                return cached
+            conn = self._started(spec.param)
+            conn.send((spec.kind, spec.source, spec.param))
+            if not conn.poll(self.timeout_s):
+                self.kills += 1
+                self._stop()
+                raise ConstraintError(f"the constraint did not compile within "
+                                      f"{self.timeout_s:g} s", spec.param)
+            try:
+                ok, payload = conn.recv()
+            except (EOFError, OSError) as exc:  # the child died (out of memory, a crash)
+                self._stop()
+                raise ConstraintError("the constraint compiler stopped while compiling it",
+                                      spec.param) from exc
+        if not ok:
+            raise ConstraintError(str(payload), spec.param)
+        self.compiles += 1
+        return self._cache.put(key, payload)
+
+    def cached(self) -> tuple[int, int]:
+        """(automata, bytes) in the cache."""
+        return self._cache.usage()
+
+    def _started(self, param: str) -> Any:
+        if self._child is not None and self._child.is_alive():
+            return self._conn
+        self._stop()
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded daemon
+        ours, theirs = context.Pipe()
+        child = context.Process(target=_compile_loop, name="dpu-frontend-constraints",
+                                args=(theirs, str(self.tokenizer_file), self.eos,
+                                      self.vocab_size, self.max_automaton_bytes), daemon=True)
+        child.start()
+        theirs.close()
+        self._child, self._conn = child, ours
+        if not ours.poll(COMPILER_START_S):
+            self._stop()
+            raise ConstraintError("the constraint compiler did not start", param)
+        try:
+            ours.recv()  # ready: its vocabulary is built
+        except (EOFError, OSError) as exc:
+            self._stop()
+            raise ConstraintError("the constraint compiler failed to start", param) from exc
+        return ours
+
+    def _stop(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child.join()
+            self._conn.close()
+        self._child = self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+def _compile_loop(conn: Any, tokenizer_file: str, eos: int, vocab_size: int,
+                  max_automaton_bytes: int) -> None:
+    """The compiler process: build the vocabulary, say so, then answer each constraint
+    with (True, its encoded automaton) or (False, why it does not compile)."""
+    compiler = ConstraintCompiler(Tokenizer.from_file(tokenizer_file), eos,
+                                  vocab_size=vocab_size, max_entries=0, max_cached_bytes=0,
+                                  max_automaton_bytes=max_automaton_bytes)
+    compiler.vocabulary()
+    conn.send(True)
+    while True:
+        try:
+            kind, source, param = conn.recv()
+        except (EOFError, OSError):
+            return  # the daemon went away
+        try:
+            conn.send((True, compiler.encoded(ConstraintSpec(kind, source, param))))
+        except ConstraintError as exc:
+            conn.send((False, str(exc)))
+        except Exception as exc:  # anything else outlines-core raises on odd input
+            conn.send((False, f"the constraint cannot be compiled: {exc}"))

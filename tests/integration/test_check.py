@@ -20,7 +20,7 @@ def test_a_good_shm_deployment_is_ready() -> None:
         result = check("--transport", "shm", "--peer", stack.peers[0].address)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[ ok ] tokenizer" in result.stdout
-    assert f"[ ok ] GPU peer {stack.peers[0].address}: protocol v2.1, channel 1 of 2" in result.stdout
+    assert f"[ ok ] GPU peer {stack.peers[0].address}: protocol v2.2, channel 1 of 2" in result.stdout
     assert "ready to serve" in result.stdout
 
 

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,12 @@ from dpu_frontend.ring import (
 )
 from dpu_frontend.ring import layout as layout_mod
 from dpu_frontend.ring import records as records_mod
+from dpu_frontend.ring.automaton import (
+    AUTOMATON_STRUCT,
+    NONE,
+    TokenAutomaton,
+    encode_automaton,
+)
 from dpu_frontend.ring.cstruct import CStruct
 from dpu_frontend.ring.layout import (
     CHANNEL_STRUCT,
@@ -60,7 +67,7 @@ from dpu_frontend.ring.mailbox import COUNTERS, KERNEL_BLOCK, MAILBOX
 from dpu_frontend.ring.records import REQUEST_STRUCT, RESPONSE_STRUCT
 
 STRUCTS = (HEADER_STRUCT, CHANNEL_STRUCT, GPU_CTRL_STRUCT, DPU_CTRL_STRUCT, REQUEST_STRUCT,
-           RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, KERNEL_BLOCK, MAILBOX)
+           RESPONSE_STRUCT, TOKEN_LOGPROBS_STRUCT, AUTOMATON_STRUCT, KERNEL_BLOCK, MAILBOX)
 CTYPES_MIRRORS = {"dpuf_peer_params": PeerParams, "dpuf_device_info": DeviceInfo,
                   "dpuf_writer_params": WriterParams, "dpuf_writer_channel": WriterChannel,
                   "dpuf_sched_config": SchedConfig, "dpuf_sched_seq": SeqState,
@@ -78,6 +85,10 @@ CONSTANTS = {
     "DPUF_FLAG_IGNORE_EOS": records_mod.FLAG_IGNORE_EOS,
     "DPUF_FLAG_HAS_SEED": records_mod.FLAG_HAS_SEED,
     "DPUF_FLAG_LOGPROBS": records_mod.FLAG_LOGPROBS,
+    "DPUF_FLAG_CONSTRAINED": records_mod.FLAG_CONSTRAINED,
+    "DPUF_FEATURE_CONSTRAINTS": layout_mod.FEATURE_CONSTRAINTS,
+    "DPUF_AUTOMATON_HEADER_SIZE": layout_mod.AUTOMATON_HEADER_SIZE,
+    "DPUF_AUTOMATON_NONE": NONE,
     "DPUF_RESPONSE_LOGPROBS": records_mod.RESPONSE_LOGPROBS,
     "DPUF_FEATURE_LOGPROBS": layout_mod.FEATURE_LOGPROBS,
     "DPUF_MAX_TOP_LOGPROBS": layout_mod.MAX_TOP_LOGPROBS,
@@ -123,6 +134,16 @@ static void golden(void) {
     g.repetition_penalty = 1.25f; g.n_stop_token_ids = 3; g.stop_token_ids[0] = 7;
     g.stop_token_ids[1] = 8; g.stop_token_ids[2] = 151645; g.epoch = 9;
     dump("generate", &g, sizeof g);
+    g.commit = 7; g.flags |= DPUF_FLAG_CONSTRAINED; g.automaton_bytes = 116;
+    dump("generate_constrained", &g, sizeof g);
+    struct { dpuf_automaton h; int32_t words[13]; } a; memset(&a, 0, sizeof a);
+    memcpy(a.h.magic, DPUF_AUTOMATON_MAGIC, 8); a.h.header_size = DPUF_AUTOMATON_HEADER_SIZE;
+    a.h.vocab_size = 40; a.h.eos = 39; a.h.states = 2; a.h.list_len = 2; a.h.mask_words = 2;
+    a.h.dense_states = 1; a.h.total_bytes = 116; a.h.key = 0x0102030405060708ull;
+    int32_t words[13] = {0, 1, 2, 39, 39, 0, 1, 1, DPUF_AUTOMATON_NONE, 0, DPUF_AUTOMATON_NONE,
+                         (int32_t)0xffffffffu, 0xbf};
+    memcpy(a.words, words, sizeof words);
+    dump("automaton", &a, 116);
     dpuf_request c; memset(&c, 0, sizeof c);
     c.commit = 6; c.kind = DPUF_KIND_CANCEL; c.request_id = 0xabcdef0123ull; c.epoch = 9;
     dump("cancel", &c, sizeof c);
@@ -212,14 +233,27 @@ def test_constants_match(c_side: dict[str, object]) -> None:
     assert list(COUNTERS) == [n for n, _ in MAILBOX.fields][6:]
 
 
+#: Two states over 40 tokens: state 0 dense (tokens 0-37 go to state 1, its default; 38
+#: is not allowed; the end token 39 is listed, back to state 0), state 1 sparse (the end
+#: token only).
+GOLDEN_AUTOMATON = TokenAutomaton(
+    vocab_size=40, eos=39, list_start=array("i", [0, 1, 2]), list_tokens=array("i", [39, 39]),
+    list_next=array("i", [0, 1]), default_next=array("i", [1, NONE]),
+    mask_at=array("i", [0, NONE]), masks=array("I", [0xFFFF_FFFF, 0xBF]))
+
+
 def _golden_python() -> dict[str, bytes]:
     generate = GenerateRecord(0xabcdef0123, 384, 33, PARAMS)
+    constrained = GenerateRecord(0xabcdef0123, 384, 33, PARAMS, automaton_bytes=116)
     cancel = CancelRecord(0xabcdef0123)
     response = ResponseRecord(0xabcdef0123, (1, 65536, 151643), FinishReason.LENGTH)
     with_logprobs = ResponseRecord(0xabcdef0123, (151643,), FinishReason.NONE,
                                    (TokenLogprobs(-0.5, ((151643, -0.5), (9, -1.25))),))
     return {
         "generate": records_mod.COMMIT.pack(5) + records_mod.encode_request_body(generate, 9),
+        "generate_constrained": records_mod.COMMIT.pack(7)
+        + records_mod.encode_request_body(constrained, 9),
+        "automaton": encode_automaton(GOLDEN_AUTOMATON, 0x0102030405060708),
         "cancel": records_mod.COMMIT.pack(6) + records_mod.encode_request_body(cancel, 9),
         "response": records_mod.COMMIT.pack(12) + records_mod.encode_response_body(response, 64, 9),
         "response_logprobs": records_mod.COMMIT.pack(13)
@@ -234,8 +268,8 @@ def _golden_python() -> dict[str, bytes]:
 GOLDEN = json.loads((Path(__file__).parent / "golden_records.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["generate", "cancel", "response", "response_logprobs",
-                                  "gpu_ctrl", "dpu_ctrl"])
+@pytest.mark.parametrize("name", ["generate", "generate_constrained", "automaton", "cancel",
+                                  "response", "response_logprobs", "gpu_ctrl", "dpu_ctrl"])
 def test_golden_records_are_byte_identical(c_side: dict[str, object], name: str) -> None:
     python = _golden_python()[name]
     assert c_side[name] == python.hex() == GOLDEN[name]

@@ -12,14 +12,19 @@ import re
 import pytest
 from tokenizers import Tokenizer
 
+from dpu_frontend.ring.automaton import (
+    NONE,
+    TokenAutomaton,
+    automaton_key,
+    build_automaton,
+    decode_automaton,
+)
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.constraints import (
-    NONE,
+    CompilerProcess,
     ConstraintCompiler,
     ConstraintError,
     ConstraintSpec,
-    TokenAutomaton,
-    build_automaton,
 )
 from dpu_frontend.text.token_bytes import TokenBytes
 from tests.constraint_cases import PERSON
@@ -142,8 +147,46 @@ def test_the_cache_keeps_the_most_recent_within_its_bounds(
     cache.compile(ConstraintSpec.regex("a+"))  # a+ is now the most recent
     cache.compile(ConstraintSpec.regex("c+"))  # b+ goes
     count, size = cache.cached()
-    assert count == 2 and size == first.nbytes + cache.compile(ConstraintSpec.regex("c+")).nbytes
+    last = cache.compile(ConstraintSpec.regex("c+"))
+    # Each entry holds the automaton's arrays and its wire form (a 64-byte header more).
+    assert count == 2 and size == 2 * (first.nbytes + last.nbytes) + 2 * 64
+    assert cache.encoded(ConstraintSpec.regex("c+")) is cache.encoded(ConstraintSpec.regex("c+"))
     assert cache.compile(ConstraintSpec.regex("a+")) is first
     # Properties are written in the schema's order: another order is another constraint.
     assert (ConstraintSpec.json_schema({"a": 1, "b": 2}).key(1)
             != ConstraintSpec.json_schema({"b": 2, "a": 1}).key(1))
+
+
+def test_a_compiled_automaton_travels_whole(compiler: ConstraintCompiler) -> None:
+    spec = ConstraintSpec.json_schema(PERSON)
+    encoded = compiler.encoded(spec)
+    assert decode_automaton(encoded, compiler.vocab_size) == compiler.compile(spec)
+    assert automaton_key(encoded) == int(spec.key(compiler.eos)[:16], 16)
+
+
+def test_the_compiler_process_bounds_each_compile_in_time() -> None:
+    """The daemon's compiler: a child process, its automata cached in the daemon; one
+    that takes too long is a ConstraintError, and the next compile gets a new child."""
+    tokenizer = default_tokenizer_dir() / "tokenizer.json"
+    loaded = Tokenizer.from_file(str(tokenizer))
+    eos = loaded.token_to_id("<|im_end|>")
+    assert eos is not None
+    process = CompilerProcess(tokenizer, eos, vocab_size=loaded.get_vocab_size(), timeout_s=60)
+    try:
+        choice = ConstraintSpec.choice(["red", "green"])
+        encoded = process.encoded(choice)
+        assert process.encoded(choice) is encoded and process.compiles == 1
+        assert decode_automaton(encoded, process.vocab_size).walk(
+            loaded.encode("green").ids) is not None
+        with pytest.raises(ConstraintError, match="cannot be compiled") as bad:
+            process.encoded(ConstraintSpec.regex("(unclosed"))
+        assert bad.value.param == "guided_regex"
+        process.timeout_s = 0.001
+        with pytest.raises(ConstraintError, match=r"did not compile within 0\.001 s"):
+            process.encoded(ConstraintSpec.regex("[a-z]{1,30}"))
+        assert process.kills == 1
+        process.timeout_s = 60
+        assert process.encoded(ConstraintSpec.regex("[0-9]{2}"))  # a new child
+        assert process.cached()[0] == 2
+    finally:
+        process.close()

@@ -20,7 +20,7 @@ from dpu_frontend.cli import (
     build_parser,
     gpu_peer_flags,
 )
-from dpu_frontend.config import LoggingConfig, PeerConfig, RdmaConfig
+from dpu_frontend.config import REFERENCE_GEOMETRY, LoggingConfig, PeerConfig, RdmaConfig
 from dpu_frontend.flags import doc, flag_name
 from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig
 from dpu_frontend.gpu.runtime import default_build_dir
@@ -38,7 +38,8 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "--req-slots": (256, None), "--mode": ("replay", ("replay", "echo")),
     "--tokens-per-step": (0, None), "--secret-file": (None, None),
 }
-#: Geometry() (reference and model peer) and GPU_GEOMETRY (CUDA peer).
+#: Geometry() (model peer; the reference peer's REFERENCE_GEOMETRY differs below) and
+#: GPU_GEOMETRY (CUDA peer).
 GEOMETRY = {"--arena-bytes": (4 << 20, None), "--resp-slots": (1024, None),
             "--resp-slot-size": (96, None), "--max-sequences": (256, None),
             "--max-prompt-tokens": (0, None), "--logprobs": (True, SWITCH),
@@ -49,6 +50,7 @@ GPU_GEOMETRY_FLAGS = {"--arena-bytes": (8 << 20, None), "--resp-slots": (2048, N
 CLOCK = {"--tick": (0.001, None), "--heartbeat": (0.05, None)}
 FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
     "peer": SHARED | GEOMETRY | CLOCK | {
+        "--arena-bytes": (36 << 20, None), "--max-automaton-bytes": (32 << 20, None),
         "--tokens-per-s": (50.0, None), "--step-ms": (0.0, None), "--batch": (0, None)},
     "gpu-peer": SHARED | GPU_GEOMETRY_FLAGS | {
         "--device": (0, None), "--engine-blocks": (0, None), "--step-us": (0.0, None),
@@ -92,7 +94,7 @@ def configs(*argv: str) -> tuple[object, ...]:
 
 
 DEFAULTS: dict[str, tuple[object, ...]] = {
-    "peer": (PeerConfig(), LoggingConfig()),
+    "peer": (PeerConfig(geometry=REFERENCE_GEOMETRY), LoggingConfig()),
     "gpu-peer": (GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY)), LoggingConfig()),
     "model-peer": (PeerConfig(), ModelPeerOptions(None, RunnerOptions(), EngineOptions()),
                    LoggingConfig()),
@@ -134,14 +136,15 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
       "--tokenizer", "/tok", "--log-level", "DEBUG", "--host", "0.0.0.0", "--port", "0",
       "--shm-path", "/dev/shm/x", "--channels", "2", "--req-slots", "8", "--arena-bytes", "1024",
       "--resp-slots", "64", "--resp-slot-size", "128", "--no-logprobs", "--max-sequences", "4",
-      "--max-prompt-tokens", "100", "--mode", "echo", "--tokens-per-step", "1",
+      "--max-prompt-tokens", "100", "--max-automaton-bytes", "256", "--mode", "echo",
+      "--tokens-per-step", "1",
       "--secret-file", "/s", "--tokens-per-s", "0", "--step-ms", "5", "--batch", "2",
       "--tick", "0.005", "--heartbeat", "0.02"],
      (PeerConfig(transport="shm", rdma=RdmaConfig("rxe0", "10.0.0.1"), host="0.0.0.0", port=0,
                  shm_path=Path("/dev/shm/x"),
                  geometry=Geometry(channels=2, req_slots=8, arena_bytes=1024, resp_slots=64,
                                    resp_slot_size=128, max_sequences=4, max_prompt_tokens=100,
-                                   logprobs=False),
+                                   logprobs=False, max_automaton_bytes=256),
                  mode="echo", tokens_per_s=0.0, tokens_per_step=1, tick_s=0.005, step_s=0.005,
                  batch=2, heartbeat_s=0.02, tokenizer=Path("/tok"), secret_file=Path("/s")),
       LoggingConfig(level="DEBUG"))),
@@ -149,7 +152,8 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
     # file is not "no secret": the peer refuses to start rather than serve unauthenticated.
     (["peer", "--rdma-device", "", "--rdma-ip", "", "--tokenizer", "", "--secret-file", "",
       "--step-ms", "2.5", "--logprobs"],
-     (PeerConfig(secret_file=Path(""), step_s=0.0025), LoggingConfig())),
+     (PeerConfig(secret_file=Path(""), step_s=0.0025, geometry=REFERENCE_GEOMETRY),
+      LoggingConfig())),
     (["gpu-peer", "--transport", "shm", "--channels", "2", "--max-sequences", "8",
       "--resp-slots", "16", "--tokens-per-step", "1", "--mode", "echo", "--device", "1",
       "--engine-blocks", "4", "--step-us", "2000", "--prefill-us-per-token", "100",
@@ -252,8 +256,8 @@ OPTION_CLASSES: list[tuple[type, str, tuple[str, ...]]] = [
 NOT_FLAGS = {
     "peer": {"log_format"},
     "gpu-peer": {"log_format", "tokens_per_s", "step_s", "batch", "tick_s", "heartbeat_s",
-                 "logprobs"},
-    "model-peer": {"log_format", "tokens_per_s", "step_s", "batch"},
+                 "logprobs", "max_automaton_bytes"},
+    "model-peer": {"log_format", "tokens_per_s", "step_s", "batch", "max_automaton_bytes"},
 }
 
 

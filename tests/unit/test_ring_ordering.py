@@ -46,9 +46,10 @@ from dpu_frontend.ring import (
     ResponseRecord,
     WriteOp,
 )
+from dpu_frontend.ring.gpu import Taken
 from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
 from dpu_frontend.ring.memory import AtomicMemory
-from dpu_frontend.ring.records import COMMIT, RequestRecord, decode_request
+from dpu_frontend.ring.records import COMMIT, decode_request
 
 from .interleave import GEOMETRIES, apply, run
 from .schedules import Seeded, everywhere, explore, failures, schedules
@@ -107,8 +108,8 @@ class ConsumedEarly(GpuChannel):
 
     AFTER = "commit"
 
-    def poll_requests(self) -> list[tuple[RequestRecord, tuple[int, ...]]]:
-        out: list[tuple[RequestRecord, tuple[int, ...]]] = []
+    def poll_requests(self) -> list[Taken]:
+        out: list[Taken] = []
         lay, mem = self.layout, self.mem
         while mem.load_acquire(lay.req_slot_offset(self.consumed + 1)) == self.consumed + 1:
             seq = self.consumed + 1
@@ -119,7 +120,7 @@ class ConsumedEarly(GpuChannel):
             if self.AFTER == "body":
                 mem.store_release(lay.gpu_ctrl_offset + REQ_CONSUMED, seq)
             assert isinstance(record, GenerateRecord)  # this traffic has no cancels
-            out.append((record, self._read_prompt(record)))
+            out.append(Taken(record, self._read_prompt(record)))
         return out
 
 

@@ -8,13 +8,14 @@ exactly as RDMA would apply them.
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.errors import PromptTooLong, ProtocolError
+from dpu_frontend.errors import LayoutMismatch, PromptTooLong, ProtocolError, RequestError
 from dpu_frontend.ring import (
     CancelRecord,
     DpuChannel,
@@ -25,7 +26,14 @@ from dpu_frontend.ring import (
     ResponseRecord,
     SamplingParams,
 )
-from dpu_frontend.ring.layout import ALIGN
+from dpu_frontend.ring.automaton import Constraint
+from dpu_frontend.ring.layout import (
+    ALIGN,
+    FEATURE_LOGPROBS,
+    HEADER_STRUCT,
+    decode_layout,
+    validate,
+)
 from dpu_frontend.ring.mailbox import (
     ChannelState,
     Command,
@@ -80,9 +88,9 @@ def test_generate_roundtrip_carries_prompt_and_params() -> None:
                             ignore_eos=True)
     pump.dpu.submit(11, [5, 6, 7], params)
     pump.flush()
-    [(record, prompt)] = pump.gpu.poll_requests()
+    [(record, prompt, automaton)] = pump.gpu.poll_requests()
     assert record == GenerateRecord(11, 0, 3, params)
-    assert prompt == (5, 6, 7)
+    assert prompt == (5, 6, 7) and automaton == b""
     assert pump.gpu.publish([ResponseRecord(11, (1, 2, 3)),
                              ResponseRecord(11, (4,), FinishReason.LENGTH)]) == 2
     assert pump.poll() == [ResponseRecord(11, (1, 2, 3)),
@@ -95,10 +103,10 @@ def test_request_credits_hold_records_until_the_gpu_consumes() -> None:
         pump.dpu.submit(rid, [rid], SamplingParams(max_tokens=1))
     pump.flush()
     assert pump.dpu.queued == 1 and pump.dpu.in_ring == 2
-    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [1, 2]
+    assert [t.record.request_id for t in pump.gpu.poll_requests()] == [1, 2]
     pump.poll()  # learns req_consumed
     pump.flush()
-    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [3]
+    assert [t.record.request_id for t in pump.gpu.poll_requests()] == [3]
 
 
 def test_the_sequence_window_holds_generates_but_never_a_cancel() -> None:
@@ -107,7 +115,7 @@ def test_the_sequence_window_holds_generates_but_never_a_cancel() -> None:
     pump.dpu.submit(1, [1], SamplingParams(max_tokens=9))
     pump.dpu.submit(2, [2], SamplingParams(max_tokens=9))
     pump.flush()
-    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [1]
+    assert [t.record.request_id for t in pump.gpu.poll_requests()] == [1]
     assert pump.dpu.open_sequences == 1 and pump.dpu.queued == 1  # 2 waits for the window
     assert pump.dpu.cancel(1) is True
     # The cancel is queued too, but it is not a request waiting: the gauges and the
@@ -115,11 +123,11 @@ def test_the_sequence_window_holds_generates_but_never_a_cancel() -> None:
     assert pump.dpu.queued == 2 and pump.dpu.waiting == 1
     pump.poll()
     pump.flush()
-    assert [r for r, _ in pump.gpu.poll_requests()] == [CancelRecord(1)]
+    assert [t.record for t in pump.gpu.poll_requests()] == [CancelRecord(1)]
     pump.gpu.publish([ResponseRecord(1, (), FinishReason.CANCELLED)])
     pump.poll()  # the final record closes 1: the window opens for 2
     pump.flush()
-    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [2]
+    assert [t.record.request_id for t in pump.gpu.poll_requests()] == [2]
 
 
 def test_arena_never_wraps_a_prompt_aligns_spans_and_reclaims_in_order() -> None:
@@ -130,11 +138,11 @@ def test_arena_never_wraps_a_prompt_aligns_spans_and_reclaims_in_order() -> None
     pump.flush()
     assert pump.dpu.queued == 1
     got = pump.gpu.poll_requests()
-    assert [(r.arena_offset, p) for r, p in got if isinstance(r, GenerateRecord)] == [
+    assert [(r.arena_offset, p) for r, p, _ in got if isinstance(r, GenerateRecord)] == [
         (0, tuple(range(20))), (ALIGN, tuple(range(40)))]
     pump.poll()
     pump.flush()
-    [(third, p3)] = pump.gpu.poll_requests()
+    [(third, p3, _)] = pump.gpu.poll_requests()
     assert isinstance(third, GenerateRecord) and third.arena_offset == 0  # skipped the tail
     assert p3 == tuple(range(40))
 
@@ -155,7 +163,7 @@ def test_cancel_of_a_queued_request_never_reaches_the_ring() -> None:
     pump.gpu.poll_requests()
     pump.poll()
     pump.flush()
-    assert [r for r, _ in pump.gpu.poll_requests()] == [CancelRecord(1)]
+    assert [t.record for t in pump.gpu.poll_requests()] == [CancelRecord(1)]
 
 
 def test_response_ring_backpressure_and_release() -> None:
@@ -231,7 +239,7 @@ def test_a_request_record_of_another_epoch_is_counted_and_skipped_on_any_lap(lap
     for rid in range(1, laps * pump.ch.req_slots + 1):
         pump.dpu.submit(rid, [rid], SamplingParams(max_tokens=1))
         pump.flush()
-        assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [rid]
+        assert [t.record.request_id for t in pump.gpu.poll_requests()] == [rid]
         pump.gpu.publish([ResponseRecord(rid, (), FinishReason.STOP)])
         pump.poll()
     pump.dpu.epoch = 1
@@ -251,7 +259,7 @@ def test_the_gpu_counts_and_skips_a_corrupt_record() -> None:
     pump.dpu._next_seq = 2  # the daemon writes its own records after the corrupt one
     pump.dpu.submit(7, [1, 2], SamplingParams(max_tokens=1))
     pump.flush()
-    assert [r.request_id for r, _ in pump.gpu.poll_requests()] == [7]
+    assert [t.record.request_id for t in pump.gpu.poll_requests()] == [7]
     assert pump.gpu.counters.bad_records == 1 and pump.gpu.consumed == 2
 
 
@@ -305,7 +313,7 @@ def test_any_interleaving_delivers_every_token_once_in_order(
     finished: set[int] = set()
     for _ in range(10_000):
         pump.flush()
-        for record, echoed in pump.gpu.poll_requests():
+        for record, echoed, _ in pump.gpu.poll_requests():
             assert isinstance(record, GenerateRecord)
             chunks = [echoed[i:i + 8] for i in range(0, len(echoed), 8)] or [()]
             backlog += [ResponseRecord(record.request_id, c) for c in chunks[:-1]]
@@ -322,3 +330,62 @@ def test_any_interleaving_delivers_every_token_once_in_order(
     assert {rid: got.get(rid, []) for rid in finished} == {
         rid: p for rid, p in enumerate(prompts, 1)
     }
+
+
+# -- structured output (minor version 2): an automaton after the prompt ------------------
+
+
+AUTOMATON = bytes(range(200))  # the ring moves it; decoding it is the peer's (test_automaton)
+
+
+def test_an_automaton_follows_its_prompt_in_the_arena() -> None:
+    pump = Pump(small(arena_bytes=4096, max_automaton_bytes=1024, max_prompt_tokens=100))
+    params = SamplingParams(max_tokens=5)
+    pump.dpu.submit(1, [5, 6, 7], params, Constraint(AUTOMATON, "guided_regex"))
+    pump.dpu.submit(2, [8], params)  # unconstrained: its span starts after the automaton
+    pump.flush()
+    [first, second] = pump.gpu.poll_requests()
+    assert first.record == GenerateRecord(1, 0, 3, params, automaton_bytes=200)
+    assert first.record.automaton_offset == ALIGN  # the 12-byte prompt, rounded up
+    assert first.prompt == (5, 6, 7) and first.automaton == AUTOMATON
+    assert second.record == GenerateRecord(2, 3 * ALIGN, 1, params)
+    assert second.prompt == (8,) and second.automaton == b""
+
+
+def test_a_channel_without_automata_or_with_smaller_ones_refuses_before_writing() -> None:
+    plain = Pump(small())
+    with pytest.raises(RequestError, match="does not decode structured output") as no:
+        plain.dpu.submit(1, [5], SamplingParams(max_tokens=5), Constraint(AUTOMATON, "x"))
+    assert no.value.param == "x" and no.value.code == "unsupported_parameter"
+    bounded = Pump(small(arena_bytes=4096, max_automaton_bytes=128, max_prompt_tokens=100))
+    with pytest.raises(RequestError, match="takes 200 bytes, more than the 128") as large:
+        bounded.dpu.submit(1, [5], SamplingParams(max_tokens=5), Constraint(AUTOMATON))
+    assert large.value.param == "response_format" and large.value.code == "constraint_too_large"
+    assert plain.dpu.queued == bounded.dpu.queued == 0
+
+
+def test_the_gpu_side_refuses_an_automaton_its_layout_does_not_offer() -> None:
+    """A record that says CONSTRAINED on a channel without the feature (or one larger
+    than the channel takes) is a bad record, never served unconstrained."""
+    pump = Pump(small(arena_bytes=4096, max_automaton_bytes=1024, max_prompt_tokens=100))
+    pump.gpu.layout = replace(pump.ch, features=FEATURE_LOGPROBS, max_automaton_bytes=0)
+    pump.dpu.submit(1, [5], SamplingParams(max_tokens=5), Constraint(AUTOMATON))
+    pump.flush()
+    assert pump.gpu.poll_requests() == [] and pump.gpu.counters.bad_records == 1
+
+
+def test_the_layout_offers_automata_from_minor_version_2() -> None:
+    layout = Geometry(arena_bytes=4096, max_automaton_bytes=1024, max_prompt_tokens=100).plan(3)
+    ch = layout.channels[0]
+    assert ch.constraints and ch.max_automaton_bytes == 1024
+    assert decode_layout(layout.encode()).channels[0] == ch
+    older = bytearray(layout.encode())
+    struct.pack_into("<H", older, HEADER_STRUCT.offset("version_minor"), 1)
+    ch1 = decode_layout(bytes(older)).channels[0]  # the bound's bytes were reserved in 2.1
+    assert not ch1.constraints and ch1.max_automaton_bytes == 0 and ch1.logprobs
+    # The prompt arena holds the longest prompt beside the largest automaton.
+    assert Geometry(arena_bytes=4096, max_automaton_bytes=1024).prompt_tokens == 768
+    with pytest.raises(ValueError, match="must fit the arena"):
+        Geometry(arena_bytes=4096, max_automaton_bytes=1024, max_prompt_tokens=1000)
+    with pytest.raises(LayoutMismatch, match="cannot hold the longest prompt"):
+        validate(replace(layout, channels=(replace(ch, max_automaton_bytes=8192),)))

@@ -18,6 +18,7 @@ import dpu_frontend.settings
 from dpu_frontend.cli import PEER, build_parser, gpu_peer_flags, serve_config
 from dpu_frontend.config import (
     DEFAULT_PEER,
+    REFERENCE_GEOMETRY,
     LoggingConfig,
     PeerAddress,
     PeerConfig,
@@ -185,7 +186,8 @@ def test_flags_are_parsed_like_the_environment(tmp_path: Path,
 
 
 def test_peer_flags_default_to_the_peer_config() -> None:
-    assert PEER.build(build_parser().parse_args(["peer"])) == PeerConfig()
+    assert PEER.build(build_parser().parse_args(["peer"])) == PeerConfig(
+        geometry=REFERENCE_GEOMETRY)
     gpu = gpu_peer_flags().build(build_parser().parse_args(["gpu-peer"]))
     assert gpu == GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY))
     assert build_parser().parse_args(["peer-stats"]).peer == str(DEFAULT_PEER)
