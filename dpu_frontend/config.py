@@ -197,6 +197,18 @@ class ServeConfig:
         "seconds open requests get to finish on SIGTERM"))
     tokenizer_threads: int = field(default=2, metadata=about(
         "threads tokenizing prompts off the event loop"))
+    # Structured output: automata compiled on one thread of their own, cached by the
+    # constraint's hash within these bounds (each entry: the automaton and its wire form).
+    constraint_cache_entries: int = field(default=64, metadata=about(
+        "compiled structured-output automata kept"))
+    constraint_cache_bytes: int = field(default=512 << 20, metadata=about(
+        "bytes the kept automata may take"))
+    max_automaton_bytes: int = field(default=32 << 20, metadata=about(
+        "the largest automaton a constraint may compile to (a 400 past it; a GPU peer may "
+        "take less)"))
+    constraint_compile_timeout_s: float = field(default=20.0, metadata=about(
+        "seconds a constraint may take to compile (a 400 past it; the compiler's process "
+        "is restarted)"))
     # Worker processes sharing the HTTP port (SO_REUSEPORT), each with its own
     # channel and QP to every peer (the peers need as many channels).
     peer_secret_file: Path | None = field(default=None, metadata=about(
@@ -225,9 +237,13 @@ class ServeConfig:
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
         for name in ("max_queued_requests", "max_queued_prompt_tokens", "max_request_bytes",
-                     "stream_buffer_records", "tokenizer_threads", "workers"):
+                     "stream_buffer_records", "tokenizer_threads", "workers",
+                     "constraint_cache_entries", "constraint_cache_bytes",
+                     "max_automaton_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.constraint_compile_timeout_s <= 0:
+            raise ValueError("constraint_compile_timeout_s must be > 0")
         if self.max_streams_per_key < 0 or self.max_connections < 0:
             raise ValueError("max_streams_per_key and max_connections must be >= 0 (0: no limit)")
         if self.idle_timeout_s <= 0 or self.body_timeout_s <= 0:

@@ -1,8 +1,10 @@
 """JSON schemas that structured output's tests walk and its benchmark compiles
-(``tests/unit/test_constraints.py``, ``benchmarks/constraint_compile.py``)."""
+(``tests/unit/test_constraints.py``, ``tests/integration/test_structured_output.py``,
+``benchmarks/constraint_compile.py``), and what satisfying each means."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 #: An enum, bounded strings and a bounded array.
@@ -22,3 +24,28 @@ ORDER: dict[str, Any] = {"type": "object", "properties": {
     "paid": {"type": "boolean"},
     "note": {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "null"}]},
 }, "required": ["id", "items", "paid"]}
+
+
+def satisfies_person(value: Any) -> bool:
+    """``value`` satisfies PERSON (checked by hand: the schema's every keyword)."""
+    return (isinstance(value, dict) and {"name", "age", "role"} <= set(value)
+            and set(value) <= set(PERSON["properties"])
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and type(value["age"]) is int and value["role"] in ("admin", "user")
+            and isinstance(value.get("tags", []), list) and len(value.get("tags", [])) <= 2
+            and all(isinstance(t, str) and len(t) <= 6 for t in value.get("tags", [])))
+
+
+def satisfies_order(value: Any) -> bool:
+    """``value`` satisfies ORDER (checked by hand)."""
+    items = value.get("items") if isinstance(value, dict) else None
+    return (isinstance(value, dict) and {"id", "items", "paid"} <= set(value)
+            and set(value) <= set(ORDER["properties"])
+            and isinstance(value["id"], str) and re.fullmatch("[A-Z]{2}[0-9]{6}", value["id"])
+            is not None and isinstance(items, list) and 1 <= len(items) <= 3
+            and all(isinstance(i, dict) and set(i) == {"sku", "quantity"}
+                    and isinstance(i["sku"], str) and len(i["sku"]) <= 8
+                    and type(i["quantity"]) is int for i in items)
+            and type(value["paid"]) is bool
+            and (value.get("note") is None or (isinstance(value["note"], str)
+                                               and len(value["note"]) <= 20)))

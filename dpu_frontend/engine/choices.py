@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 
 from dpu_frontend.engine.service import Delta, DeltaSink, Generation, Service, TextOptions
 from dpu_frontend.ring import SamplingParams
+from dpu_frontend.ring.automaton import Constraint
 
 MERGE_QUEUE_PER_CHOICE = 8
 
@@ -48,14 +49,15 @@ class Choices:
 
 
 def start_choices(service: Service, prompts: list[list[int]], params: SamplingParams, n: int,
-                  options: TextOptions) -> Choices:
-    """Submit every choice now, raising admission errors before any response byte."""
+                  options: TextOptions, constraint: Constraint | None = None) -> Choices:
+    """Submit every choice now, raising admission errors before any response byte; each
+    is decoded within ``constraint`` where there is one."""
     choices = Choices([])
     try:
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 choices.generations.append(service.submit(prompt, _nth(params, j), options,
-                                                          i * n + j))
+                                                          i * n + j, constraint))
     except BaseException:
         choices.cancel()
         raise

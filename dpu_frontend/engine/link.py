@@ -47,6 +47,7 @@ from dpu_frontend.errors import (
 )
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import DpuChannel, ResponseRecord, SamplingParams
+from dpu_frontend.ring.automaton import Constraint
 
 log = logging.getLogger("dpu_frontend.engine")
 
@@ -186,7 +187,13 @@ class PeerLink:
 
     # -- requests ---------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RingRequest:
+    @property
+    def offers_constraints(self) -> bool:
+        """Whether the peer's ring takes structured output's automata."""
+        return self.channel is not None and self.channel.layout.constraints
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               constraint: Constraint | None = None) -> RingRequest:
         channel, cfg = self.channel, self.config
         if channel is None:
             raise Unavailable(f"GPU peer {self.address} is {self.state.value}: {self.error}")
@@ -197,7 +204,7 @@ class PeerLink:
             raise Overloaded(f"{channel.queued_tokens} prompt tokens already wait for GPU peer "
                              f"{self.address}")
         request_id = next(self._ids)
-        channel.submit(request_id, prompt, params)
+        channel.submit(request_id, prompt, params, constraint)
         request = RingRequest(request_id, len(prompt) + min(params.max_tokens, MAX_COST),
                               cfg.stream_buffer_records, self.cancel)
         self._requests[request_id] = request

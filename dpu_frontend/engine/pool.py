@@ -27,6 +27,7 @@ from dpu_frontend.errors import (
 )
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import SamplingParams
+from dpu_frontend.ring.automaton import Constraint
 
 log = logging.getLogger("dpu_frontend.engine")
 
@@ -83,11 +84,20 @@ class PeerPool:
     def in_flight(self) -> int:
         return sum(link.in_flight for link in self.links)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RingRequest:
+    @property
+    def offers_constraints(self) -> bool:
+        """Whether a peer that is up decodes structured output."""
+        return any(link.up and link.offers_constraints for link in self.links)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams,
+               constraint: Constraint | None = None) -> RingRequest:
+        """Queue the request on the least loaded peer that is up (and, for a constrained
+        one, that decodes structured output)."""
         if self.draining:
             raise Unavailable("the daemon is draining: it takes no new requests")
         turn, n = next(self._turn), len(self.links)
-        candidates = sorted((i for i, link in enumerate(self.links) if link.up),
+        candidates = sorted((i for i, link in enumerate(self.links)
+                             if link.up and (constraint is None or link.offers_constraints)),
                             key=lambda i: (self.links[i].outstanding, (i - turn) % n))
         if not candidates:
             reasons = "; ".join(f"{link.address}: {link.error}" for link in self.links)
@@ -95,7 +105,7 @@ class PeerPool:
         overloaded: list[Overloaded] = []
         for i in candidates:
             try:
-                return self.links[i].submit(prompt, params)
+                return self.links[i].submit(prompt, params, constraint)
             except Overloaded as exc:
                 overloaded.append(exc)
         raise overloaded[-1]

@@ -25,7 +25,9 @@ from dpu_frontend.engine.request import RingRequest
 from dpu_frontend.errors import PeerError, PromptTooLong, RequestError
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, ResponseRecord, SamplingParams
+from dpu_frontend.ring.automaton import Constraint
 from dpu_frontend.text.chat_template import ChatTemplate
+from dpu_frontend.text.constraints import CompilerProcess, ConstraintError, ConstraintSpec
 from dpu_frontend.text.detokenizer import IncrementalDetokenizer
 from dpu_frontend.text.stop import StopMatcher
 from dpu_frontend.text.token_bytes import TokenBytes
@@ -96,6 +98,14 @@ class Service:
                                             thread_name_prefix="tokenize")
         self._token_bytes: TokenBytes | None = None
         self._tokenizer = vocab.tokenizer  # shared by the tokenizer threads
+        # Structured output's compiler, started on first use (a process of its own, each
+        # compile bounded in time), waited on from a thread of its own: a schema's
+        # seconds of compiling never hold up tokenization. One compile per constraint
+        # at a time: requests that bring it meanwhile wait for that one.
+        self._compile_executor = ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="constraints")
+        self._compiler: CompilerProcess | None = None
+        self._compiling: dict[str, asyncio.Future[bytes]] = {}
 
     @property
     def token_bytes(self) -> TokenBytes:
@@ -189,7 +199,8 @@ class Service:
         return min(max_tokens, self.max_model_len - prompt_tokens)
 
     def submit(self, prompt: list[int], params: SamplingParams,
-               options: TextOptions = TextOptions(), index: int = 0) -> Generation:
+               options: TextOptions = TextOptions(), index: int = 0,
+               constraint: Constraint | None = None) -> Generation:
         """Queue the request for a GPU peer now: admission errors (429, 503) raise here,
         before any response byte is written."""
         # Everything that can fail comes first: once submitted, the GPU generates up to
@@ -197,11 +208,49 @@ class Service:
         detok = IncrementalDetokenizer(self.vocab, context=self.vocab.context(prompt),
                                        skip_special_tokens=options.skip_special_tokens)
         stops = StopMatcher(options.stop, include=options.include_stop)
-        return Generation(self.pool.submit(prompt, params), detok, stops, params.logprobs,
+        return Generation(self.pool.submit(prompt, params, constraint), detok, stops,
+                          params.logprobs,
                           self.vocab.tokenizer.get_vocab_size(), index)
+
+    async def constraint(self, spec: ConstraintSpec) -> Constraint:
+        """``spec`` compiled for the ring (from the cache when it was seen): a 400 naming
+        its field if no peer decodes structured output, or if it does not compile."""
+        if not self.pool.offers_constraints:
+            raise RequestError("the GPU peers do not decode structured output (no peer's "
+                               "ring offers constraints)", param=spec.param,
+                               code="unsupported_parameter")
+        if not self.vocab.eos_token_ids:
+            raise RequestError("the tokenizer names no end token to end a constrained "
+                               "answer with", param=spec.param, code="unsupported_parameter")
+        compiler = self._compiler
+        if compiler is None:
+            cfg = self.config
+            compiler = self._compiler = CompilerProcess(
+                self.vocab.source, self.vocab.eos_token_ids[0],
+                vocab_size=self.vocab.tokenizer.get_vocab_size(),
+                max_entries=cfg.constraint_cache_entries,
+                max_cached_bytes=cfg.constraint_cache_bytes,
+                max_automaton_bytes=cfg.max_automaton_bytes,
+                timeout_s=cfg.constraint_compile_timeout_s)
+        key = spec.key(compiler.eos)
+        future = self._compiling.get(key)
+        if future is None:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._compile_executor, compiler.encoded, spec)
+            self._compiling[key] = future
+            future.add_done_callback(lambda _: self._compiling.pop(key, None))
+        try:
+            # Shielded: a client that goes away does not cancel a compile others wait for.
+            encoded = await asyncio.shield(future)
+        except ConstraintError as exc:
+            raise RequestError(str(exc), param=spec.param) from exc
+        return Constraint(encoded, spec.param)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._compile_executor.shutdown(wait=False, cancel_futures=True)
+        if self._compiler is not None:
+            self._compiler.close()
 
 
 class Generation:

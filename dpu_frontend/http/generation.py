@@ -147,6 +147,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         for prompt in prompts:
             self.service.check_ids(prompt, self.prompt_param)
         self.service.check_ids(req.stop_token_ids, "stop_token_ids")
+        spec = req.constraint()
         longest = max(len(p) for p in prompts)
         max_tokens = self.service.fit(longest, self.requested_max_tokens(req)
                                       or max(1, self.default_max_tokens(longest)),
@@ -157,8 +158,11 @@ class GenerationHandler(abc.ABC, Generic[Request]):
                   outputs=self.outputs(req, prompts))
         options = TextOptions(tuple(req.stop_strings), req.include_stop_str_in_output,
                               req.skip_special_tokens)
+        # Compiled (or found in the cache) before anything is submitted: a constraint that
+        # cannot be served is the request's 400, with nothing started on the GPU.
+        constraint = await self.service.constraint(spec) if spec is not None else None
         choices = start_choices(self.service, prompts, sampling_params(req, max_tokens), req.n,
-                                options)
+                                options, constraint)
         metrics = self.service.metrics
         timer = metrics.request(arrival)
         try:

@@ -21,12 +21,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.config import JsonDict
+from pydantic.config import JsonDict, JsonValue
 
 from dpu_frontend.errors import ModelNotFound, RequestError
 from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
 from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, U32_MAX
 from dpu_frontend.text.chat_template import MAX_NESTING, nesting_exceeds, reserved_kwarg
+from dpu_frontend.text.constraints import ConstraintError, ConstraintSpec
 
 
 def _integral(value: Any) -> Any:
@@ -59,8 +60,6 @@ UNSUPPORTED = {
     "functions": "the deprecated functions parameter is not supported; use tools",
     "function_call": "the deprecated function_call parameter is not supported; use "
                      "tool_choice",
-    "response_format": "structured output is not supported",
-    "guided_json": "structured output is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -68,7 +67,7 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
 }
 _OFF: dict[str, tuple[Any, ...]] = {
-    "functions": ([],), "response_format": ({"type": "text"},),
+    "functions": ([],),
     "modalities": (["text"],), "reasoning_effort": (),
 }
 
@@ -96,17 +95,75 @@ _LOGPROBS: JsonDict = {
     "if": {"required": ["top_logprobs"],
            "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
-#: ... and not both add_generation_prompt and continue_final_message set to true.
-_EXCLUSIVE: JsonDict = {"not": {
-    "required": ["add_generation_prompt", "continue_final_message"],
-    "properties": {"add_generation_prompt": {"const": True},
-                   "continue_final_message": {"const": True}}}}
+#: ... at most one constraint (structured output) ...
+_SET: dict[str, JsonValue] = {
+    "response_format": {"type": "object", "required": ["type"],
+                        "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+    "guided_json": {"type": ["object", "string"]},
+    "guided_regex": {"type": "string"},
+    "guided_choice": {"type": "array"}}
+_UNSET: dict[str, JsonValue] = {
+    "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+        "type": {"const": "text"}}}]},
+    "guided_json": {"type": "null"}, "guided_regex": {"type": "null"},
+    "guided_choice": {"type": "null"}}
+
+
+def _before(name: str) -> JsonDict:
+    """If ``name`` constrains, none of the fields after it does: pairwise exclusion in
+    three rules, where a rule a field would be one too many for the generator."""
+    names = list(_SET)
+    unset: JsonDict = {other: _UNSET[other] for other in names[names.index(name) + 1:]}
+    return {"if": {"required": [name], "properties": {name: _SET[name]}},
+            "then": {"properties": unset}}
+
+
+_CONSTRAINTS: list[JsonValue] = [_before(name) for name in list(_SET)[:-1]]
+#: ... and not both add_generation_prompt and continue_final_message set to true. Each
+#: rule is an if/then of plain types: Hypothesis (schemathesis) cannot generate from a
+#: "not" of several properties beside them.
+_EXCLUSIVE: JsonDict = {
+    "if": {"required": ["add_generation_prompt"],
+           "properties": {"add_generation_prompt": {"const": True}}},
+    "then": {"properties": {"continue_final_message": {"const": False}}}}
+
+
+#: OpenAI's rule for a function's name (and a response format's).
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_CHOICES = 256
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the answer must satisfy."""
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    #: Always enforced: the GPU side decodes within the schema whatever this says.
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
+                           Field(discriminator="type")]
 
 
 class SamplingFields(_Strict):
     """Fields both generation endpoints share; all go to the GPU side or the stop matcher."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, *_CONSTRAINTS]})
 
     model: str
     max_tokens: TokenCount | None = None
@@ -127,6 +184,17 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description=(
+        "json_object or json_schema: the answer is decoded within it on the GPU (an "
+        "automaton compiled on the DPU masks each step's draw); text: unconstrained"))
+    guided_json: dict[str, Any] | str | None = Field(None, description=(
+        "vLLM's: a JSON schema (or its text) the answer satisfies"))
+    guided_regex: NonEmpty | None = Field(None, json_schema_extra={"format": "regex"},
+                                          description=(
+        "vLLM's: a regular expression the whole answer matches (^ and $ at its ends are "
+        "implied)"))
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)] | None = (
+        Field(None, description="vLLM's: the answer is one of these strings"))
 
     @field_validator("stop")
     @classmethod
@@ -163,6 +231,38 @@ class SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def constraint(self) -> ConstraintSpec | None:
+        """The structured output asked for, if any: at most one of response_format
+        (json_object, json_schema), guided_json, guided_regex and guided_choice. A
+        schema the compiler would not enforce is a 400 naming its field. With one,
+        the answer ends where the constraint's text does, whatever ignore_eos says."""
+        specs: list[ConstraintSpec] = []
+        try:
+            rf = self.response_format
+            if isinstance(rf, JsonObjectFormat):
+                specs.append(ConstraintSpec.json_object())
+            elif isinstance(rf, JsonSchemaResponseFormat):
+                specs.append(ConstraintSpec.json_schema(rf.json_schema.schema_))
+            if self.guided_json is not None:
+                schema = self.guided_json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except ValueError as exc:
+                        raise ConstraintError(f"guided_json is not JSON: {exc}",
+                                              "guided_json") from exc
+                specs.append(ConstraintSpec.json_schema(schema, "guided_json"))
+            if self.guided_regex is not None:
+                specs.append(ConstraintSpec.regex(self.guided_regex))
+            if self.guided_choice is not None:
+                specs.append(ConstraintSpec.choice(self.guided_choice))
+        except ConstraintError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
+        if len(specs) > 1:
+            raise RequestError("one constraint at a time: response_format, guided_json, "
+                               "guided_regex or guided_choice", param=specs[1].param)
+        return specs[0] if specs else None
 
 
 #: Alternatives per token the ring carries (OpenAI's completions allow 5 as well).
@@ -239,8 +339,6 @@ class _ChatRendering(_Strict):
         return self
 
 
-#: OpenAI's rule for a function's name.
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
 
 
@@ -276,7 +374,8 @@ _FORCED_CHOICE = ("tool_choice 'required' or a named function forces a call, whi
 class ChatCompletionRequest(SamplingFields, _ChatRendering):
     """``POST /v1/chat/completions``."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, _EXCLUSIVE, _LOGPROBS]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAMING, _EXCLUSIVE, _LOGPROBS,
+                                                           *_CONSTRAINTS]})
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = Field(None, description=(

@@ -165,7 +165,7 @@ async def test_tokenize_detokenize_version_models_openapi(stack: Stack, vocab: V
     ({"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"model": MODEL, "messages": CHAT, "top_logprobs": 1}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+    ({"model": MODEL, "messages": CHAT, "response_format": {"type": "xml"}}, 400,
      "response_format"),
     ({"model": "other", "messages": CHAT}, 404, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 10}] * 2,
@@ -184,7 +184,7 @@ async def test_chat_client_errors(stack: Stack, body: dict[str, Any], status: in
 
 def test_sdk_raises_typed_errors_for_chat(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.chat.completions.create(model=MODEL, messages=CHAT,
-                                       response_format={"type": "json_object"})
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1}}})
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
