@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from dpu_frontend.engine.session import PeerSession
 from dpu_frontend.ring import ResponseRecord, SamplingParams
-from dpu_frontend.ring.records import REQUEST_BODY_OFFSET
+from dpu_frontend.ring.records import FLAG_CONSTRAINED, REQUEST_BODY_OFFSET, REQUEST_STRUCT
 
 UNKNOWN_KIND = 9  # no request record kind has this value
 
@@ -24,6 +24,24 @@ async def write_unknown_kind(session: PeerSession, request_id: int,
     corrupt = bytearray(body.data)
     corrupt[0] = UNKNOWN_KIND
     await transport.write([op if op is not body else type(op)(op.offset, bytes(corrupt))
+                           for op in writes])
+
+
+async def write_constrained(session: PeerSession, request_id: int,
+                            prompt: Sequence[int]) -> None:
+    """Write ``request_id``'s generate record flagged CONSTRAINED, with an automaton's
+    size, on a channel whose layout offers no automata: what a 2.2 GPU side without
+    the feature must refuse, never serve unconstrained."""
+    ring, transport = session.channel, session.transport
+    ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
+    writes, _ = ring.take_writes()
+    body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
+    patched = bytearray(body.data)
+    flags = REQUEST_STRUCT.offset("flags") - REQUEST_BODY_OFFSET
+    patched[flags] |= FLAG_CONSTRAINED
+    at = REQUEST_STRUCT.offset("automaton_bytes") - REQUEST_BODY_OFFSET
+    patched[at:at + 4] = (64).to_bytes(4, "little")
+    await transport.write([op if op is not body else type(op)(op.offset, bytes(patched))
                            for op in writes])
 
 

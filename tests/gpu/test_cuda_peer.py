@@ -23,7 +23,7 @@ from tests.integration.scenarios import (
     check_chat_stream_sdk,
     check_stream_equals_full_and_decode,
 )
-from tests.raw_ring import poll_until_final, write_unknown_kind
+from tests.raw_ring import poll_until_final, write_constrained, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -80,20 +80,23 @@ async def test_a_thousand_concurrent_streams(gpu_stack: Stack) -> None:
 
 
 async def test_a_corrupt_record_is_counted_and_skipped(gpu_stack: Stack) -> None:
-    """A raw client on a second channel writes a record of an unknown kind, then a valid
-    one: the kernel counts the first, serves the second, and goes on serving."""
+    """A raw client on a second channel writes a record of an unknown kind, one flagged
+    CONSTRAINED (the CUDA peer's layout offers no automata), then a valid one: the kernel
+    counts the first two, serves the third, and goes on serving."""
     address = gpu_stack.peer_address()
     config = ServeConfig(peers=(address,), transport="shm")
     session = await PeerSession.connect(config, address)
     try:
         before = (await peer_stats(address))[session.channel_index]
         await write_unknown_kind(session, 1, [1, 2, 3])
+        await write_constrained(session, 3, [7, 8])
         session.channel.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
         records = await poll_until_final(session, 2)
         assert [t for r in records if r.request_id == 2 for t in r.tokens]
+        assert not [r for r in records if r.request_id == 3]
         after = (await peer_stats(address))[session.channel_index]
-        assert after["bad_records"] == before["bad_records"] + 1
-        assert after["records"] == before["records"] + 2
+        assert after["bad_records"] == before["bad_records"] + 2
+        assert after["records"] == before["records"] + 3
     finally:
         await session.close()
     await check_stream_equals_full_and_decode(gpu_stack)  # the kernel still serves

@@ -27,7 +27,7 @@ from dpu_frontend.ring.records import FinishReason, ResponseRecord, SamplingPara
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.integration.scenarios import check_peer_killed_mid_stream
-from tests.raw_ring import poll_until_final, write_unknown_kind
+from tests.raw_ring import poll_until_final, write_constrained, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -180,10 +180,11 @@ def test_sigterm_stops_the_scheduler() -> None:
 
 async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) -> None:
     """A raw client on a second channel writes what a daemon never does: a record of an
-    unknown kind and a second GENERATE with a running request's id are counted bad and
-    skipped, a prompt holding an id past the vocabulary ends with an error record (the
-    request fails alone), and a request after them is answered as the host engine
-    answers it. The scheduler's intake (the ring's shared walk) takes each in turn."""
+    unknown kind, one flagged CONSTRAINED (the model peer walks no automaton yet) and a
+    second GENERATE with a running request's id are counted bad and skipped, a prompt
+    holding an id past the vocabulary ends with an error record (the request fails
+    alone), and a request after them is answered as the host engine answers it. The
+    scheduler's intake (the ring's shared walk) takes each in turn."""
     with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
                        peer_args=(*SMALL_KV, "--channels", "2")) as stack:
         address = stack.peer_address()
@@ -192,6 +193,7 @@ async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) ->
         try:
             before = await report(stack)
             await write_unknown_kind(session, 1, [11, 12, 13])
+            await write_constrained(session, 5, [51, 52])  # no automata on this layout
             running = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
             session.channel.submit(2, [21, 22, 23], running)
             session.channel.submit(2, [24, 25], running)  # its id is running: bad
@@ -213,12 +215,14 @@ async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) ->
             offline.generate([[21, 22, 23]], [running])[0].tokens
         mine = session.channel_index
         was, now = before["channels"][mine], after["channels"][mine]
-        assert now["bad_records"] == was["bad_records"] + 2
-        assert now["records"] == was["records"] + 5
+        assert not [r for r in seen if r.request_id == 5]
+        assert now["bad_records"] == was["bad_records"] + 3
+        assert now["records"] == was["records"] + 6
         assert after["kernel"]["refused"] == before["kernel"]["refused"] + 1
         async with aiohttp.ClientSession() as http:  # the daemon's channel still serves
             answer = await complete(http, stack, {"prompt": "After them", "max_tokens": 8,
                                                   "temperature": 0.0})
         assert answer["usage"]["completion_tokens"] >= 1
-    print("unknown kind and duplicate id counted bad, an id past the vocabulary refused "
-          "with an error record, the requests around them served as the host engine")
+    print("unknown kind, a constrained record and duplicate id counted bad, an id past the "
+          "vocabulary refused with an error record, the requests around them served as the "
+          "host engine")

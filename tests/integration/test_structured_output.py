@@ -25,6 +25,7 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
+from tests.integration.scenarios import check_constrained_sdk
 from tests.stack import MODEL, Stack, running_stack
 
 ASK: Any = [{"role": "user", "content": "Describe someone."}]
@@ -92,6 +93,11 @@ def test_any_json_object(client: OpenAI) -> None:
     completion = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100,
                                                 response_format={"type": "json_object"})
     assert isinstance(json.loads(completion.choices[0].message.content or ""), dict)
+
+
+async def test_a_constrained_answer_through_the_async_sdk(stack: Stack) -> None:
+    """The scenario the soft-RoCE suite runs too (tests/rdma)."""
+    await check_constrained_sdk(stack)
 
 
 def test_a_regex_and_a_choice(client: OpenAI) -> None:

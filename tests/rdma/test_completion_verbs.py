@@ -9,6 +9,7 @@ import pytest
 from dpu_frontend.softroce.harness import RXE_IP
 from tests.integration.scenarios import (
     check_chat_stream_sdk,
+    check_constrained_sdk,
     check_peer_killed_mid_stream,
     check_stream_equals_full_and_decode,
 )
@@ -32,6 +33,11 @@ async def test_streamed_equals_full_equals_decode(verbs_stack: Stack) -> None:
 
 async def test_chat_stream_with_the_async_sdk(verbs_stack: Stack) -> None:
     await check_chat_stream_sdk(verbs_stack)
+
+
+async def test_a_constrained_answer(verbs_stack: Stack) -> None:
+    """Structured output over soft-RoCE: a 3.2 MB automaton in one RDMA WRITE."""
+    await check_constrained_sdk(verbs_stack)
 
 
 def test_check_beside_a_serving_daemon_finds_a_good_deployment(verbs_stack: Stack) -> None:
