@@ -100,6 +100,8 @@ class PeerPool:
                              if link.up and (constraint is None or link.offers_constraints)),
                             key=lambda i: (self.links[i].outstanding, (i - turn) % n))
         if not candidates:
+            if constraint is not None and self.up:
+                raise Unavailable("no GPU peer that decodes structured output is up")
             reasons = "; ".join(f"{link.address}: {link.error}" for link in self.links)
             raise Unavailable(f"no GPU peer is up ({reasons})")
         overloaded: list[Overloaded] = []

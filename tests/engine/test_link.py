@@ -21,6 +21,7 @@ from dpu_frontend.errors import (
 )
 from dpu_frontend.metrics import Metrics
 from dpu_frontend.ring import FinishReason, Geometry, ResponseRecord, SamplingParams
+from dpu_frontend.ring.automaton import Constraint
 from tests.engine.conftest import ADDRESS, serve_config
 from tests.engine.loopback import LoopbackPeer, within
 
@@ -308,3 +309,17 @@ async def test_a_record_of_another_epoch_resets_the_session(
     assert bad_records(metrics, "protocol") == 1
     await (await peer.wait_sessions(2)).wait_exchanges(1)  # a new session, a new epoch
     assert link.up
+
+
+async def test_a_constrained_request_goes_only_to_a_peer_that_walks_automata(
+        link: PeerLink, peer: LoopbackPeer, metrics: Metrics) -> None:
+    """The loopback peer's layout offers no automata: the pool has no peer for a
+    constrained request, and says so (the service answers 400 before it gets here), while
+    unconstrained requests still go."""
+    pool = PeerPool(serve_config(), metrics)
+    pool.links = [link]
+    assert link.up and not link.offers_constraints and not pool.offers_constraints
+    with pytest.raises(Unavailable, match="no GPU peer that decodes structured output"):
+        pool.submit([1], PARAMS, Constraint(b"\0" * 64))
+    pool.submit([1], PARAMS)
+    assert len(await peer.gpu.wait_for(1)) == 1
