@@ -59,6 +59,11 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.tokenize_time = Histogram(PREFIX + "tokenize_seconds", "Time to tokenize a prompt.",
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.constraint_time = Histogram(
+            PREFIX + "constraint_seconds",
+            "Time a constrained request waited for its automaton (compiled, or from the "
+            "cache), by the request field and the outcome (ready, refused).",
+            ["param", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Histogram(PREFIX + "prompt_tokens", "Prompt tokens per request.",
                                        buckets=TOKEN_BUCKETS, registry=r)
         self.generation_tokens = Histogram(PREFIX + "generation_tokens",

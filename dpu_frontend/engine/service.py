@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -239,11 +240,16 @@ class Service:
                 self._compile_executor, compiler.encoded, spec)
             self._compiling[key] = future
             future.add_done_callback(lambda _: self._compiling.pop(key, None))
+        started = time.monotonic()
         try:
             # Shielded: a client that goes away does not cancel a compile others wait for.
             encoded = await asyncio.shield(future)
         except ConstraintError as exc:
+            self.metrics.constraint_time.labels(spec.param, "refused").observe(
+                time.monotonic() - started)
             raise RequestError(str(exc), param=spec.param) from exc
+        self.metrics.constraint_time.labels(spec.param, "ready").observe(
+            time.monotonic() - started)
         return Constraint(encoded, spec.param)
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ automaton."""
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -169,3 +171,17 @@ def test_a_peer_whose_ring_takes_no_automaton() -> None:
             "do not decode structured output" in body["message"])
         plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5)
         assert plain.choices[0].message.content
+
+
+def test_the_wait_for_each_automaton_is_a_metric(client: OpenAI, stack: Stack) -> None:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=5,
+                              extra_body={"guided_choice": ["yes", "no"]})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5,
+                                  extra_body={"guided_regex": "(unclosed"})
+    with urllib.request.urlopen(f"{stack.base_url}/metrics") as response:
+        text = response.read().decode()
+    for param, outcome in (("guided_choice", "ready"), ("guided_regex", "refused")):
+        count = re.search(rf'dpu_frontend_constraint_seconds_count\{{outcome="{outcome}",'
+                          rf'param="{param}"\}} (\S+)', text)
+        assert count is not None and float(count.group(1)) >= 1, (param, outcome)
