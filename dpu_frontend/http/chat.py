@@ -20,6 +20,7 @@ from dpu_frontend.text.chat_output import (
     ChatOutputs,
 )
 from dpu_frontend.text.chat_template import ChatTemplate
+from dpu_frontend.text.constraints import ConstraintError, ConstraintSpec
 
 
 class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
@@ -72,6 +73,24 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
         return [await self.service.tokenize_prompt(text, self.prompt_param,
                                                      add_special_tokens=False)]
 
+    def constraint(self, req: ChatCompletionRequest) -> ConstraintSpec | None:
+        """The request's own constraint, or a forced tool call (``tool_choice`` required
+        or named) as one: calls in the syntax the answer is parsed in, their arguments
+        within the functions' schemas. One at a time."""
+        spec = req.constraint()
+        forced = req.forced_tools()
+        if forced is None:
+            return spec
+        if spec is not None:
+            raise RequestError("one constraint at a time: a forced tool call (tool_choice) "
+                               f"and {spec.param}", param=spec.param)
+        try:
+            return ConstraintSpec.tool_calls(
+                "llama3_json" if self.tool_syntax == "llama3_json" else "hermes", forced,
+                req.parallel_tool_calls)
+        except ConstraintError as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
+
     def default_max_tokens(self, prompt_tokens: int) -> int:
         return self.service.max_model_len - prompt_tokens  # OpenAI: up to the context
 
@@ -90,8 +109,11 @@ class ChatCompletionsHandler(GenerationHandler[ChatCompletionRequest]):
         # A template that opens the block for the model (Qwen3's thinking variants):
         # the answer starts inside it.
         tail = self.service.vocab.decode(prompts[0][-8:], skip_special_tokens=False)
+        # A constrained answer is decoded within its constraint from its first token: it
+        # is the answer, even after a template that opened the thinking block.
         return ChatOutputs(reasoning=self.reasoning, tools=tools,
-                           thinking=self.reasoning and tail.rstrip().endswith(THINK_START),
+                           thinking=(self.reasoning and not req.constrained
+                                     and tail.rstrip().endswith(THINK_START)),
                            parallel=req.parallel_tool_calls,
                            syntax=self.tool_syntax or "hermes")
 

@@ -35,6 +35,7 @@ from dpu_frontend.http.schemas import SamplingFields, check_model, parse
 from dpu_frontend.metrics import RequestTimer
 from dpu_frontend.ring import SamplingParams
 from dpu_frontend.text.chat_output import ChatOutputs
+from dpu_frontend.text.constraints import ConstraintSpec
 
 log = logging.getLogger("dpu_frontend.http")
 
@@ -127,6 +128,10 @@ class GenerationHandler(abc.ABC, Generic[Request]):
     def answer(self, job: Job, texts: dict[int, str], finish: dict[int, str]) -> dict[str, Any]:
         """The non-streamed response body."""
 
+    def constraint(self, req: Request) -> ConstraintSpec | None:
+        """The structured output ``req`` asks for, if any."""
+        return req.constraint()
+
     @abc.abstractmethod
     def logprobs_json(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """``choices[i].logprobs`` in this endpoint's shape."""
@@ -147,7 +152,7 @@ class GenerationHandler(abc.ABC, Generic[Request]):
         for prompt in prompts:
             self.service.check_ids(prompt, self.prompt_param)
         self.service.check_ids(req.stop_token_ids, "stop_token_ids")
-        spec = req.constraint()
+        spec = self.constraint(req)
         longest = max(len(p) for p in prompts)
         max_tokens = self.service.fit(longest, self.requested_max_tokens(req)
                                       or max(1, self.default_max_tokens(longest)),

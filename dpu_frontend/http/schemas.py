@@ -232,6 +232,13 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is decoded within a constraint."""
+        return (isinstance(self.response_format, JsonObjectFormat | JsonSchemaResponseFormat)
+                or any(f is not None for f in (self.guided_json, self.guided_regex,
+                                                self.guided_choice)))
+
     def constraint(self) -> ConstraintSpec | None:
         """The structured output asked for, if any: at most one of response_format
         (json_object, json_schema), guided_json, guided_regex and guided_choice. A
@@ -364,13 +371,6 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-#: tool_choice that would force a call: it needs the answer constrained to a call's
-#: JSON, which the GPU side does not do yet.
-_FORCED_CHOICE = ("tool_choice 'required' or a named function forces a call, which needs the "
-                  "answer constrained to it (structured output): not supported yet; use "
-                  "'auto'")
-
-
 class ChatCompletionRequest(SamplingFields, _ChatRendering):
     """``POST /v1/chat/completions``."""
 
@@ -383,36 +383,42 @@ class ChatCompletionRequest(SamplingFields, _ChatRendering):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(None, description=(
         "functions the model may call: rendered by the chat template, the calls parsed "
         "out of its answer"))
-    tool_choice: Literal["none", "auto"] | None = Field(None, description=(
-        "none: no call; auto (the default with tools): the model's choice. 'required' and "
-        "a named function ({type: function, function: {name}}) are refused for now"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description=(
+            "none: no call; auto (the default with tools): the model's choice; required: "
+            "one call or more (one where parallel_tool_calls is false), and a named "
+            "function ({type: function, function: {name}}, one of tools): a call of it; "
+            "both need tools, and are decoded within the calls' syntax and the functions' "
+            "parameters (structured output)"))
     parallel_tool_calls: bool = Field(True, description="false: only the first call is returned")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_forced_tool_choice(cls, data: Any) -> Any:
-        """tool_choice 'required' or a named function: said apart (a 400 naming why),
-        though the schema takes none and auto only."""
-        if not isinstance(data, dict) or data.get("tool_choice") in (None, "none", "auto"):
-            return data
-        choice, tools = data["tool_choice"], data.get("tools")
-        names = {t["function"].get("name") for t in tools
-                 if isinstance(t, dict) and isinstance(t.get("function"), dict)
-                 and isinstance(t["function"].get("name"), str)} if isinstance(
-                     tools, list) else set()
-        try:
-            named = NamedToolChoice.model_validate(choice)
-        except ValidationError:
-            named = None
-        if named is not None and named.function.name not in names:
-            raise RequestError(f"tool_choice names '{named.function.name}', which is not in "
-                               "tools", param="tool_choice")
-        if choice == "required" and not tools:
-            raise RequestError("tool_choice needs tools", param="tool_choice")
-        if named is not None or choice == "required":
-            raise RequestError(_FORCED_CHOICE, param="tool_choice",
-                               code="unsupported_parameter")
-        return data
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> Any:
+        """A forced call needs tools, and a named one a function among them."""
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if not names:
+                raise RequestError("tool_choice needs tools", param="tool_choice")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise RequestError(f"tool_choice names '{choice.function.name}', which is not "
+                                   "in tools", param="tool_choice")
+        return self
+
+    def forced_tools(self) -> list[tuple[str, dict[str, Any] | None]] | None:
+        """The functions a forced call may be of (``required``: any of tools; a named
+        one: it), with their parameters' schemas; None where no call is forced."""
+        choice = self.tool_choice
+        if choice == "required":
+            return [(t.function.name, t.function.parameters) for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice):
+            return [(t.function.name, t.function.parameters) for t in self.tools or ()
+                    if t.function.name == choice.function.name]
+        return None
+
+    @property
+    def constrained(self) -> bool:
+        return super().constrained or self.forced_tools() is not None
 
     @property
     def tools_on(self) -> bool:

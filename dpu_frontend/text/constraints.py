@@ -31,7 +31,11 @@ from tokenizers import Tokenizer
 from dpu_frontend.ring.automaton import TokenAutomaton, build_automaton, encode_automaton
 from dpu_frontend.text.token_bytes import TokenBytes
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
+#: A tool call's syntax, as the chat output's parser reads it (``chat_output``).
+ToolSyntax = Literal["hermes", "llama3_json"]
+#: No parameters: the function takes none (OpenAI's rule), an empty object.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 #: JSON Schema keywords that constrain a value but that outlines-core's translation
 #: ignores: refused, never served as if they held.
@@ -93,6 +97,25 @@ class ConstraintSpec:
             raise ConstraintError("a choice needs one or more non-empty strings", param)
         return cls("choice", json.dumps(list(choices)), param)
 
+    @classmethod
+    def tool_calls(cls, syntax: ToolSyntax, tools: Sequence[tuple[str, dict[str, Any] | None]],
+                   parallel: bool, param: str = "tool_choice") -> ConstraintSpec:
+        """An answer that is one or more calls (one where not ``parallel``) of ``tools``
+        ((name, parameters' schema) pairs), in ``syntax``: hermes' ``<tool_call>`` blocks
+        with ``arguments``, or Llama 3.1's JSON objects with ``parameters``, separated by
+        ``;``. The schemas are checked as ``json_schema``'s, naming ``tools``."""
+        if not tools:
+            raise ConstraintError("a forced tool call needs tools", param)
+        for name, schema in tools:
+            where = None if schema is None else _unsupported(schema, "#")
+            if where is not None:
+                raise ConstraintError(f"tool {name}'s parameters use the JSON schema keyword "
+                                      f"at {where}, which structured output does not "
+                                      "support", "tools")
+        return cls("tool_calls", json.dumps({"syntax": syntax, "parallel": parallel,
+                                            "tools": [list(t) for t in tools]},
+                                           separators=(",", ":")), param)
+
     def key(self, eos: int) -> str:
         """The cache's key: the kind, the source and the end token, hashed."""
         return hashlib.sha256(f"{self.kind}\0{eos}\0{self.source}".encode()).hexdigest()
@@ -105,13 +128,38 @@ class ConstraintSpec:
             return _unanchored(self.source)
         if self.kind == "choice":
             return "|".join(f"({_escape(c)})" for c in json.loads(self.source))
-        from outlines_core.json_schema import build_regex_from_schema
+        if self.kind == "tool_calls":
+            return self._calls_pattern()
+        return _schema_regex(self.source, self.param)
 
-        try:
-            return str(build_regex_from_schema(self.source))
-        except Exception as exc:  # outlines-core raises plain ValueError/TypeError
-            raise ConstraintError(f"the JSON schema cannot be compiled: {exc}",
-                                  self.param) from exc
+    def _calls_pattern(self) -> str:
+        """One call of any of the tools, each call's text as the chat output's parser
+        reads it (the name as written, the arguments within their schema); then, where
+        parallel, more after the syntax's separator."""
+        spec = json.loads(self.source)
+        hermes = spec["syntax"] == "hermes"
+        calls = []
+        for name, schema in spec["tools"]:
+            arguments = _schema_regex(json.dumps(NO_PARAMETERS if schema is None else schema),
+                                      "tools")
+            head = (f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ' if hermes
+                    else f'{{"name": {json.dumps(name)}, "parameters": ')
+            tail = "}\n</tool_call>" if hermes else "}"
+            calls.append(f"{_escape(head)}({arguments}){_escape(tail)}")
+        one = "(" + "|".join(f"({c})" for c in calls) + ")"
+        if not spec["parallel"]:
+            return one
+        return f"{one}({_escape(chr(10) if hermes else '; ')}{one})*"
+
+
+def _schema_regex(schema: str, param: str) -> str:
+    """outlines-core's regular expression for a JSON schema (its text)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        return str(build_regex_from_schema(schema))
+    except Exception as exc:  # outlines-core raises plain ValueError/TypeError
+        raise ConstraintError(f"the JSON schema cannot be compiled: {exc}", param) from exc
 
 
 def _unsupported(schema: Any, path: str) -> str | None:

@@ -1,5 +1,6 @@
 """Tool calls and reasoning through a real daemon (shm), with the official openai SDK and
-its own helpers (``chat.completions.create`` streamed and not, ``chat.completions.stream``).
+its own helpers (``chat.completions.create`` streamed and not, ``chat.completions.stream``),
+and forced calls (``tool_choice`` required or named), decoded within the calls' syntax.
 
 The peer echoes its prompt, and the daemon's chat template here renders the last
 message's text as it is: so the "model" answers with exactly the text a test sends,
@@ -163,14 +164,42 @@ def test_tool_turns_go_back_into_the_template(client: OpenAI) -> None:
     assert full.choices[0].message.content == "18 degrees"
 
 
+def test_a_forced_call_is_decoded_within_its_function(client: OpenAI) -> None:
+    """tool_choice named or required: the answer is constrained to the calls' syntax and
+    the functions' parameters (the peer walks the automaton whatever its source says), so
+    it comes back as calls, streamed as not."""
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    full = client.chat.completions.create(model=MODEL, messages=ask("anything"), tools=TOOLS,
+                                          tool_choice=named, max_tokens=60)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    with client.chat.completions.stream(model=MODEL, messages=ask("anything"), tools=TOOLS,
+                                        tool_choice=named, max_tokens=60) as stream:
+        streamed = stream.get_final_completion().choices[0].message.tool_calls or []
+    assert [(c.function.name, c.function.arguments)
+            for c in streamed] == [(call.function.name, call.function.arguments)]
+    one = client.chat.completions.create(model=MODEL, messages=ask("anything"), tools=TOOLS,
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=60)
+    calls = one.choices[0].message.tool_calls or []
+    assert one.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].type == "function" and calls[0].function.name in ("get_weather", "get_time")
+
+
 def test_what_cannot_be_honoured_is_a_400(client: OpenAI) -> None:
-    choices: list[Any] = ["required", {"type": "function", "function": {"name": "get_weather"}}]
-    for choice in choices:
+    for extra, param, message in [
+            ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+             "names 'nope'"),
+            ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+             "response_format", "one constraint at a time")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=ask("hi"), tools=TOOLS,
-                                           tool_choice=choice)
-        assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
-        assert "forces a call" in info.value.body["message"]  # type: ignore[index]
+                                           extra_body=extra)
+        assert info.value.body["param"] == param  # type: ignore[index]
+        assert message in info.value.body["message"]  # type: ignore[index]
 
 
 def test_a_template_without_tool_syntax_refuses_tools(tmp_path: Path) -> None:

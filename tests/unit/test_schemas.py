@@ -99,9 +99,14 @@ def test_tools_are_taken_and_what_cannot_be_honoured_is_refused() -> None:
     assert not chat(tools=[TOOL], tool_choice="none").tools_on
     assert chat(tools=[TOOL], tool_choice="none").tools_for_template() is None
     assert not chat(tool_choice="auto").tools_on
+    # A forced call (required, or a named function) is a constraint on the answer.
+    name = "get_weather"
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    assert chat(tools=[TOOL], tool_choice="required").forced_tools() == [(name, parameters)]
+    named = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": name}})
+    assert named.forced_tools() == [(name, parameters)] and named.constrained
+    assert chat(tools=[TOOL]).forced_tools() is None and not chat(tools=[TOOL]).constrained
     for choice, message in [
-            ("required", "forces a call"),
-            ({"type": "function", "function": {"name": "get_weather"}}, "forces a call"),
             ({"type": "function", "function": {"name": "other"}}, "names 'other'"),
             ("sometimes", "tool_choice")]:
         with pytest.raises(RequestError, match=message) as info:
@@ -112,7 +117,7 @@ def test_tools_are_taken_and_what_cannot_be_honoured_is_refused() -> None:
     # Unhashable names beside a forced choice are the name's 400, not a crash.
     with pytest.raises(RequestError) as info:
         chat(tools=[{"type": "function", "function": {"name": ["x"]}}], tool_choice="required")
-    assert info.value.param == "tool_choice"
+    assert info.value.param == "tools"
     with pytest.raises(RequestError, match="pattern") as info:
         chat(tools=[{"type": "function", "function": {"name": "no spaces"}}])
     assert info.value.param == "tools"
