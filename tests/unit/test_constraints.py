@@ -20,11 +20,13 @@ from dpu_frontend.ring.automaton import (
     decode_automaton,
 )
 from dpu_frontend.text.assets import default_tokenizer_dir
+from dpu_frontend.text.chat_output import ChatOutputs
 from dpu_frontend.text.constraints import (
     CompilerProcess,
     ConstraintCompiler,
     ConstraintError,
     ConstraintSpec,
+    ToolSyntax,
 )
 from dpu_frontend.text.token_bytes import TokenBytes
 from tests.constraint_cases import PERSON
@@ -190,3 +192,28 @@ def test_the_compiler_process_bounds_each_compile_in_time() -> None:
         assert process.cached()[0] == 2
     finally:
         process.close()
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "llama3_json"])
+def test_a_forced_tool_call_admits_only_calls_the_parser_reads(
+        compiler: ConstraintCompiler, syntax: ToolSyntax) -> None:
+    """tool_choice required over two tools, parallel: every walk is one call or more, in
+    the syntax the chat output's parser reads, each of a given function with arguments
+    within its schema (none for a function without parameters)."""
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+               "required": ["city"]}
+    spec = ConstraintSpec.tool_calls(syntax, [("get_weather", weather), ("get_time", None)],
+                                     parallel=True)
+    texts = walks(compiler.compile(spec), compiler, 12, seed=4, limit=120)
+    assert len(texts) >= 4
+    for text in texts:
+        outputs = ChatOutputs(reasoning=False, tools=True, thinking=False, syntax=syntax)
+        piece = outputs.feed(0, text, final=True)
+        assert piece.tool_calls and not piece.content.strip(), text
+        for call in piece.tool_calls:
+            arguments = json.loads(call.arguments)
+            assert (call.name, set(arguments)) in (("get_weather", {"city"}),
+                                                   ("get_time", set())), text
+    with pytest.raises(ConstraintError, match="#/minimum") as refused:
+        ConstraintSpec.tool_calls("hermes", [("f", {"type": "integer", "minimum": 0})], False)
+    assert refused.value.param == "tools"
