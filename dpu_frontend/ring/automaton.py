@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -102,15 +102,20 @@ class TokenAutomaton:
     def allowed(self, state: int) -> list[int]:
         """Every token allowed in ``state``, ascending."""
         listed = set(self.list_tokens[self.list_start[state]:self.list_start[state + 1]])
+        return sorted(listed.union(self.masked(state)))
+
+    def masked(self, state: int) -> Iterator[int]:
+        """The tokens whose bits a dense state's bitmask sets, ascending (none for a
+        sparse state)."""
         at = self.mask_at[state]
-        if at != NONE:
-            for word in range(self.mask_words):
-                bits = self.masks[at + word]
-                while bits:
-                    low = bits & -bits
-                    listed.add(word * 32 + low.bit_length() - 1)
-                    bits ^= low
-        return sorted(listed)
+        if at == NONE:
+            return
+        for word in range(self.mask_words):
+            bits = self.masks[at + word]
+            while bits:
+                low = bits & -bits
+                yield word * 32 + low.bit_length() - 1
+                bits ^= low
 
     def may_end(self, state: int) -> bool:
         return self.next_state(state, self.eos) is not None
@@ -207,26 +212,21 @@ def shortest_token(automaton: TokenAutomaton, dist: Sequence[int], state: int) -
     unreachable."""
     a = automaton
     best_d, best = UNREACHABLE, None
+
+    def nearer(d: int, token: int) -> bool:
+        return d < best_d or (d == best_d and best is not None and token < best)
+
     lo, hi = a.list_start[state], a.list_start[state + 1]
     listed = a.list_tokens[lo:hi]
     for token, nxt in zip(listed, a.list_next[lo:hi], strict=True):
-        if token != a.eos and (dist[nxt] < best_d or (dist[nxt] == best_d and best is not None
-                                                        and token < best)):
+        if token != a.eos and nearer(dist[nxt], token):
             best_d, best = dist[nxt], token
-    at = a.mask_at[state]
-    if at != NONE and dist[a.default_next[state]] <= best_d:
-        skip = set(listed)
-        skip.add(a.eos)
-        for word in range(a.mask_words):
-            bits = a.masks[at + word]
-            while bits:
-                low = bits & -bits
-                token = word * 32 + low.bit_length() - 1
-                bits ^= low
-                if token not in skip:
-                    if dist[a.default_next[state]] < best_d or best is None or token < best:
-                        best = token
-                    return best
+    if a.mask_at[state] != NONE:
+        # The bitmask's smallest token that goes to the default: one not listed.
+        skip = {*listed, a.eos}
+        first = next((t for t in a.masked(state) if t not in skip), None)
+        if first is not None and nearer(dist[a.default_next[state]], first):
+            best_d, best = dist[a.default_next[state]], first
     return best if best_d < UNREACHABLE else None
 
 
@@ -285,10 +285,9 @@ def decode_automaton(data: bytes | memoryview, vocab_size: int) -> TokenAutomato
     body.frombytes(bytes(data[AUTOMATON_HEADER_SIZE:]))
     if sys.byteorder != "little":
         body.byteswap()
-    cuts = [0, states + 1, list_len, list_len, states, states]
     parts = []
     at = 0
-    for n in cuts[1:]:
+    for n in (states + 1, list_len, list_len, states, states):
         parts.append(body[at:at + n])
         at += n
     list_start, list_tokens, list_next, default_next, mask_at = parts

@@ -104,6 +104,12 @@ def test_distances_and_the_shortest_token() -> None:
     assert shortest_token(a, d, 1) == 5
     assert shortest_token(a, d, 2) == 7  # 7 leads on; the end token is never "shortest"
     assert shortest_token(a, d, 3) is None
+    # A dense state that only loops on itself never reaches the end: no token either.
+    loop = TokenAutomaton(vocab_size=VOCAB, eos=EOS, list_start=array("i", [0, 0]),
+                          list_tokens=array("i"), list_next=array("i"),
+                          default_next=array("i", [0]), mask_at=array("i", [0]),
+                          masks=array("I", [0xFFFF_FFFF, 0x3F]))
+    assert list(distances(loop)) == [UNREACHABLE] and shortest_token(loop, [UNREACHABLE], 0) is None
 
 
 def test_the_walk_takes_the_source_where_it_may_and_steers_to_the_end() -> None:
