@@ -86,6 +86,13 @@ def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+def holds_automaton(arena_bytes: int, prompt_tokens: int, automaton_bytes: int) -> bool:
+    """Whether an arena holds the longest prompt and, after it, the largest automaton
+    (which is at least a header)."""
+    return (automaton_bytes >= AUTOMATON_HEADER_SIZE
+            and align(4 * prompt_tokens) + automaton_bytes <= arena_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class ChannelLayout:
     """Where one ring pair lives in the region, and its geometry."""
@@ -267,9 +274,8 @@ def validate(layout: Layout) -> None:
         if not 1 <= ch.max_prompt_tokens <= ch.arena_tokens:
             raise LayoutMismatch(f"{where}: max_prompt_tokens {ch.max_prompt_tokens} outside "
                                  f"[1, {ch.arena_tokens}] (the arena)")
-        if ch.constraints and not (
-                ch.max_automaton_bytes >= AUTOMATON_HEADER_SIZE
-                and align(4 * ch.max_prompt_tokens) + ch.max_automaton_bytes <= ch.arena_size):
+        if ch.constraints and not holds_automaton(ch.arena_size, ch.max_prompt_tokens,
+                                                  ch.max_automaton_bytes):
             raise LayoutMismatch(f"{where}: the arena ({ch.arena_size} bytes) cannot hold the "
                                  f"longest prompt and an automaton of max_automaton_bytes "
                                  f"{ch.max_automaton_bytes}")
@@ -337,9 +343,9 @@ class Geometry:
             raise ValueError(f"max_prompt_tokens must be in [0, {self.arena_bytes // 4}] "
                              "(0: the whole arena)")
         if self.max_automaton_bytes and not (
-                self.max_automaton_bytes >= AUTOMATON_HEADER_SIZE
-                and self.prompt_tokens >= 1
-                and align(4 * self.prompt_tokens) + self.max_automaton_bytes <= self.arena_bytes):
+                self.prompt_tokens >= 1
+                and holds_automaton(self.arena_bytes, self.prompt_tokens,
+                                    self.max_automaton_bytes)):
             raise ValueError(f"max_automaton_bytes ({self.max_automaton_bytes}) and the "
                              f"longest prompt must fit the arena ({self.arena_bytes} bytes), "
                              f"and an automaton takes at least {AUTOMATON_HEADER_SIZE}: lower "
