@@ -17,8 +17,8 @@ import contextlib
 import hashlib
 import logging
 import mmap
+import sys
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -50,6 +50,7 @@ from dpu_frontend.ring.mailbox import (
     mailbox_area_size,
 )
 from dpu_frontend.ring.memory import AtomicMemory
+from dpu_frontend.text.constraints import Lru
 
 log = logging.getLogger("dpu_frontend.peer")
 #: Checked automata kept (by their bytes' digest) for the requests that bring them again.
@@ -128,7 +129,8 @@ class ReferenceKernel(PeerKernel):
         self._eos = eos_token_ids
         #: Structured output: automata are over this vocabulary (the tokenizer's).
         self._vocab_size = vocab_size
-        self._automata: OrderedDict[bytes, WalkedAutomaton] = OrderedDict()
+        self._automata: Lru[WalkedAutomaton] = Lru(AUTOMATA_CACHED, sys.maxsize,
+                                                   lambda w: w.automaton.nbytes)
         self._sources = sources or self._generator
         self._between_steps = between_steps
         self._stats = stats
@@ -271,20 +273,16 @@ class ReferenceKernel(PeerKernel):
     def _walked(self, encoded: bytes) -> WalkedAutomaton | None:
         """The checked automaton of ``encoded``, from the cache where the same bytes came
         before (one constraint, many requests); None, logged, if it fails a check."""
-        digest = hashlib.blake2b(encoded, digest_size=16).digest()
+        digest = hashlib.blake2b(encoded, digest_size=16).hexdigest()
         walked = self._automata.get(digest)
         if walked is not None:
-            self._automata.move_to_end(digest)
             return walked
         try:
             walked = WalkedAutomaton.of(decode_automaton(encoded, self._vocab_size))
         except ProtocolError as exc:
             log.warning("constrained request refused: %s", exc)
             return None
-        self._automata[digest] = walked
-        while len(self._automata) > AUTOMATA_CACHED:
-            self._automata.popitem(last=False)
-        return walked
+        return self._automata.put(digest, walked)
 
     def _publish(self, channel: _Channel, now: float) -> None:
         ring, generator, outbox = channel.ring, channel.generator, channel.outbox
