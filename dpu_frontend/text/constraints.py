@@ -29,6 +29,7 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 from tokenizers import Tokenizer
 
 from dpu_frontend.ring.automaton import TokenAutomaton, build_automaton, encode_automaton
+from dpu_frontend.ring.layout import AUTOMATON_HEADER_SIZE
 from dpu_frontend.text.token_bytes import TokenBytes
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
@@ -268,8 +269,6 @@ class ConstraintCompiler:
         self.tokenizer = tokenizer
         self.eos = eos
         self.vocab_size = vocab_size or tokenizer.get_vocab_size()
-        self.max_entries = max_entries
-        self.max_cached_bytes = max_cached_bytes
         self.max_automaton_bytes = max_automaton_bytes
         self._vocabulary: Any = None
         self._cache: Lru[Compiled] = Lru(max_entries, max_cached_bytes, Compiled.size)
@@ -323,9 +322,11 @@ class ConstraintCompiler:
                                   spec.param) from exc
         automaton = build_automaton(index.get_transitions(), index.get_initial_state(),
                                     self.vocab_size, self.eos)
-        if automaton.nbytes > self.max_automaton_bytes:
+        # Measured as it travels (its header too), as the peers' bound is.
+        wire_bytes = AUTOMATON_HEADER_SIZE + automaton.nbytes
+        if wire_bytes > self.max_automaton_bytes:
             raise ConstraintError(
-                f"the constraint's automaton takes {automaton.nbytes} bytes, more than "
+                f"the constraint's automaton takes {wire_bytes} bytes, more than "
                 f"the {self.max_automaton_bytes} allowed ({automaton.states} states)",
                 spec.param)
         return automaton
