@@ -41,6 +41,9 @@ GREEDY_BELOW = 1e-5
 #: the ring record carries 5).
 MAX_TOP_LOGPROBS = 5
 
+#: The largest uniform a draw uses: the largest float32 below 1.
+U_MAX = np.float32(1.0 - 2.0**-24)
+
 _MASK32 = 0xFFFF_FFFF
 _GOLDEN = 0x9E37_79B1
 _TOKEN_MUL = 0x85EB_CA77
@@ -73,11 +76,15 @@ def row_key(seed: int, step: int) -> int:
 
 
 def uniforms(key: int, vocab: int) -> F32:
-    """One uniform in (0, 1) per token id: 24 hashed bits and a half."""
+    """One uniform in (0, 1) per token id: 24 hashed bits and a half, at most
+    ``U_MAX``: the top value, (2^24 - 0.5) / 2^24, rounds to 1 in float32, whose
+    exponential (-log u) would be zero, and a dropped token's 0 / 0 a NaN that wins
+    the race."""
     ids = np.arange(vocab, dtype=np.int64)
     bits = fmix32(key ^ ((ids * _TOKEN_MUL) & _MASK32))
-    return (((bits >> 8).astype(np.float32) + np.float32(0.5))
-            * np.float32(2.0**-24)).astype(np.float32)
+    u = ((bits >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    out: F32 = np.minimum(u, U_MAX).astype(np.float32)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +175,12 @@ def variant_of(all_greedy: bool, any_penalty: bool, any_cut: bool, any_logprobs:
 
 
 def sample(logits: F32, params: SamplingParams, seed: int, step: int,
-           history: History = History()) -> int:
-    """The token the engine draws for one sequence at output index ``step``."""
+           history: History = History(), allowed: B | None = None) -> int:
+    """The token the engine draws for one sequence at output index ``step``;
+    ``allowed``: the tokens its structured output's automaton allows now (the others'
+    logits are -inf before anything else), None: every token."""
+    if allowed is not None:
+        logits = np.where(allowed, logits, np.float32("-inf")).astype(np.float32)
     penalized = apply_penalties(logits, params, history)
     if params.temperature < GREEDY_BELOW:
         return int(np.argmax(penalized))

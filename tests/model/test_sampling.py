@@ -42,6 +42,17 @@ def test_uniforms_are_in_the_open_interval_and_flat() -> None:
     assert sampling.row_key(2**64 - 1, 3) != sampling.row_key(2**63 - 1, 3)  # the high bits count
 
 
+def test_the_top_hash_is_no_uniform_of_1() -> None:
+    """A token whose 24 bits are all ones: (2^24 - 0.5) / 2^24 rounds to 1 in float32;
+    its exponential -log(1) would be 0, and a dropped token's 0 / 0 a NaN that argmax
+    takes (a token outside top-p, or outside a constraint, drawn). It is U_MAX instead."""
+    keys = np.arange(1 << 25, dtype=np.int64)
+    key = int(keys[(fmix32(keys) >> 8) == 0xFFFFFF][0])  # token 0's bits are fmix32(key)
+    u = sampling.uniforms(key, 1)
+    assert u[0] == sampling.U_MAX < 1
+    assert (np.array([0.0], np.float32) / -np.log(u)).tolist() == [0.0]  # no NaN
+
+
 def test_greedy_is_the_first_maximum() -> None:
     assert sample(logits(1, 3, 3, 2), params(temperature=0.0), 0, 0) == 1
     assert sample(logits(1, 3, 3, 2), params(temperature=1e-6), 0, 0) == 1

@@ -16,7 +16,15 @@ import torch
 from dpu_frontend.model.metadata import SamplingRows
 
 # The reference's hash, applied to int64 tensors: the same operators, the same bits.
-from dpu_frontend.model.sampling import _GOLDEN, _MASK32, _STEP_ADD, _TOKEN_MUL, GREEDY_BELOW, fmix32
+from dpu_frontend.model.sampling import (
+    _GOLDEN,
+    _MASK32,
+    _STEP_ADD,
+    _TOKEN_MUL,
+    GREEDY_BELOW,
+    U_MAX,
+    fmix32,
+)
 from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
 
 
@@ -190,7 +198,9 @@ class Sampler:
         key = fmix32(key ^ (p.seed & _MASK32))
         # fmix32 is typed for NumPy; given tensors it returns a tensor.
         bits = cast(torch.Tensor, fmix32(key[:, None] ^ self._token_key[None, :]))
-        u = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+        # At most U_MAX, as the reference's: a 1 would make a dropped token's 0 / 0 a NaN,
+        # which argmax takes.
+        u = (((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24).clamp_(max=float(U_MAX))
         drawn = torch.argmax(probs / -torch.log(u), dim=-1)
         return torch.where(p.temperature < GREEDY_BELOW, greedy, drawn)
 
