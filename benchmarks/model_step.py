@@ -27,6 +27,8 @@ takes it.
     python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-32b.json --batch 1 8 64
     python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-8b.json \
         --quantization fp8 --kv-cache-dtype fp8       # opt-in FP8, its own bound
+    python -m benchmarks.model_step --model-config benchmarks/configs/qwen3-8b.json \
+        --batch 64 256 --constrained                  # structured output's cost, alternated
 
 (Qwen3-32B's 65.5 GB of bf16 weights leave an 80 GB card little room for the
 KV cache at the default ``--memory-fraction`` 0.85: there, fewer sequences and
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from array import array
 from pathlib import Path
 
 import torch
@@ -51,11 +54,13 @@ from benchmarks.model_figures import (
     load_config,
     step_bytes,
 )
+from dpu_frontend.model.automata import AutomatonPool
 from dpu_frontend.model.blocks import BlockPool, BlockTable
 from dpu_frontend.model.layers import moe
 from dpu_frontend.model.options import KV_CACHE_DTYPES, QUANTIZATIONS, RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 from dpu_frontend.model.scheduler import Batch, Sequence, Status, Work
+from dpu_frontend.ring.automaton import NONE, CheckedAutomaton, TokenAutomaton
 from dpu_frontend.ring.records import SamplingParams
 
 
@@ -76,6 +81,35 @@ def copy_bandwidth(device: torch.device, size: int = 4 << 30) -> float:
     # blink) sizes its KV cache from the free memory.
     torch.cuda.empty_cache()
     return 2 * size / best
+
+
+def json_string_automaton(vocab: int, eos: int) -> CheckedAutomaton:
+    """What a constrained decode step walks most of the time, a JSON string's inside:
+    state 0, dense, takes all but a few hundred ids back to itself, lists 64 that leave
+    it (the quote and escapes, to state 1) and allows the end; state 1, sparse, takes
+    ``,`` ``}``-like ids (64 of them) back to state 0."""
+    leave = list(range(1000, 1064))
+    mask_words = (vocab + 31) // 32
+    words = [0xFFFF_FFFF] * mask_words
+    for t in range(2000, 2300):  # not allowed in a string
+        words[t // 32] &= ~(1 << (t % 32)) & 0xFFFF_FFFF
+    if vocab % 32:
+        words[-1] &= (1 << (vocab % 32)) - 1
+    return CheckedAutomaton.of(TokenAutomaton(
+        vocab, eos, array("i", [0, 64, 128]), array("i", leave + list(range(3000, 3064))),
+        array("i", [1] * 64 + [0] * 64), array("i", [0, NONE]), array("i", [0, NONE]),
+        array("I", words)))
+
+
+def constrain(runner: ModelRunner, batch: Batch, checked: CheckedAutomaton | None) -> None:
+    """Every sequence of ``batch`` walks ``checked`` from its start (None: none does), as
+    the engine's admission sets them."""
+    pool = AutomatonPool(runner.automata.words)
+    entry = pool.acquire(checked) if checked is not None else None
+    for work in batch.works:
+        seq = work.seq
+        runner.slot_params.set(seq.slot, seq.params, seq.seed, constrained=entry is not None)
+        runner.automata.attach(seq.slot, entry)
 
 
 def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) -> Batch:
@@ -137,6 +171,22 @@ def profile(runner: ModelRunner, batch: Batch) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
+def step_times(runner: ModelRunner, batch: Batch, iters: int) -> list[float]:
+    """Seconds of ``iters`` steps of ``batch``, each timed alone, after 3 to warm up."""
+    for _ in range(3):
+        runner.step(batch)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.step(batch)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -155,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of the GPU's memory in use once the KV cache is allocated "
                          "(the model peer's flag)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--constrained", action="store_true",
+                    help="also time each batch with every sequence walking a structured "
+                         "output's automaton (a JSON string's inside), alternated with the "
+                         "unconstrained step")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU kernels' share of the largest batch's step")
     args = ap.parse_args(argv)
@@ -190,20 +244,27 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "KV cache blocks": runner.num_blocks, "CUDA graphs": not args.eager,
     }
+    checked = (json_string_automaton(config.vocab_size, config.eos_token_ids[0])
+               if args.constrained else None)
     for size in args.batch:
         pool = BlockPool(runner.num_blocks, runner.options.block_size)
         batch = decode_batch(runner, pool, size, args.context)
-        for _ in range(3):
-            runner.step(batch)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            runner.step(batch)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        times = step_times(runner, batch, args.iters)
+        if checked is not None:
+            # Alternated, so that both see the same machine.
+            free, walked = [], []
+            for _ in range(2):
+                constrain(runner, batch, checked)
+                walked += step_times(runner, batch, args.iters // 2)
+                constrain(runner, batch, None)
+                free += step_times(runner, batch, args.iters // 2)
+            figures[f"batch {size}: unconstrained / constrained step best, ms"] = (
+                f"{min(free) * 1e3:.3f} / {min(walked) * 1e3:.3f}")
+            figures[f"batch {size}: constrained / unconstrained"] = round(min(walked) / min(free), 4)
+            # What the mask adds at the least: the logits read and the masked copy written.
+            mask_bytes = 2 * 4 * size * config.vocab_size
+            figures[f"batch {size}: the mask's bytes at the copy bandwidth, ms"] = round(
+                mask_bytes / bandwidth * 1e3, 4)
         experts = experts_routed(runner, batch)
         weights, kv_bytes = step_bytes(config, size, args.context + 1, precision, experts)
         bound = (weights + kv_bytes) / bandwidth

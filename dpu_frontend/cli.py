@@ -46,8 +46,9 @@ log = logging.getLogger("dpu_frontend")
 #: and the CUDA kernel (--step-us) set their own.
 REFERENCE_PACE = frozenset({"tokens_per_s", "step_s", "batch"})
 PEER = Flags(PeerConfig(geometry=REFERENCE_GEOMETRY))
-#: The model peer's sampler does not walk structured output's automata yet.
-MODEL_PEER = Flags(PeerConfig(), omit=REFERENCE_PACE | {"geometry.max_automaton_bytes"})
+#: The model peer's rings take structured output as the reference peer's do (its
+#: sampler walks the automata on the GPU; with --scheduler gpu, not yet).
+MODEL_PEER = Flags(PeerConfig(geometry=REFERENCE_GEOMETRY), omit=REFERENCE_PACE)
 MODEL_OPTIONS = Flags(ModelPeerOptions())
 #: The peers log text lines, at this level.
 PEER_LOGGING = Flags(LoggingConfig(), omit=frozenset({"format"}), prefix="log_")

@@ -19,17 +19,19 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpu_frontend.model.automata import AutomatonPool, PoolEntry
 from dpu_frontend.model.blocks import BlockPool
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.events import EngineStats, TokenEvent
 from dpu_frontend.model.options import EngineOptions
 from dpu_frontend.model.scheduler import Batch, Scheduler, Sequence
-from dpu_frontend.ring.records import FinishReason, SamplingParams
+from dpu_frontend.ring.automaton import CheckedAutomaton
+from dpu_frontend.ring.records import MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams
 
 if TYPE_CHECKING:  # torch: the engine's logic runs (and is tested) without it
     from dpu_frontend.model.layers.sampler import Drawn
@@ -73,24 +75,55 @@ class ModelEngine:
         self.stats = EngineStats()
         self.records: RingRecords | None = None
         self._targets: dict[int, Target] = {}
+        #: Structured output: the automata of constrained sequences in GPU memory,
+        #: those waiting for admission, and the pool entries of those admitted.
+        self.automata = AutomatonPool(ro.automaton_pool_bytes // 4)
+        self._constraints: dict[int, CheckedAutomaton] = {}
+        self._entries: dict[int, PoolEntry] = {}
 
     def publish_to(self, records: RingRecords) -> None:
         """From now on the GPU writes each step's records (``RingRecords``)."""
         self.records = records
 
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
-            target: Target | None = None) -> None:
+            target: Target | None = None, automaton: CheckedAutomaton | None = None) -> None:
         """``target``: where the GPU publishes the sequence's records (with
-        ``publish_to``)."""
+        ``publish_to``). ``automaton``: what the sequence may generate (structured
+        output), walked on the GPU."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already running")
         if any(not 0 <= t < self.config.vocab_size for t in prompt):
             raise ValueError("a prompt token id is outside the vocabulary")
+        if automaton is not None:
+            params = self._constrained(params, automaton)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._seqs[seq_id] = self.scheduler.add(seq_id, len(prompt), params, seed)
         self._prompts[seq_id] = prompt
         if target is not None:
             self._targets[seq_id] = target
+        if automaton is not None:
+            self._constraints[seq_id] = automaton
+
+    def _constrained(self, params: SamplingParams, checked: CheckedAutomaton) -> SamplingParams:
+        """A constrained sequence's parameters: drawing its automaton's end token ends
+        it with STOP, whatever ``ignore_eos`` says (protocol section 5.4), on the host's
+        judgement and the GPU record writer's alike."""
+        a = checked.automaton
+        if a.vocab_size > self.config.vocab_size:
+            raise ValueError(f"an automaton over {a.vocab_size} token ids, the model has "
+                             f"{self.config.vocab_size}")
+        if not self.automata.fits(checked):
+            raise ValueError(f"an automaton of {a.nbytes} bytes does not fit the "
+                             f"{4 * self.automata.capacity}-byte automaton pool "
+                             "(--automaton-pool-bytes)")
+        if a.eos in self.eos:
+            return replace(params, ignore_eos=False)
+        if a.eos in params.stop_token_ids:
+            return params
+        if len(params.stop_token_ids) >= MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"a constrained request with {MAX_STOP_TOKEN_IDS} stop token ids "
+                             f"leaves no room for its automaton's end token {a.eos}")
+        return replace(params, stop_token_ids=(*params.stop_token_ids, a.eos))
 
     def cancel(self, seq_id: int, *, final: bool = True) -> None:
         """Stop a sequence. With a target, the GPU ends its request with a
@@ -103,7 +136,27 @@ class ModelEngine:
         self._prompts.pop(seq_id, None)
         if final and target is not None and self.records is not None:
             self.records.final(seq.slot, target, FinishReason.CANCELLED)
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """The scheduler retires ``seq``; its automaton has one user less."""
         self.scheduler.finish(seq)
+        self._constraints.pop(seq.seq_id, None)
+        entry = self._entries.pop(seq.seq_id, None)
+        if entry is not None:
+            self.automata.release(entry)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """The scheduler's last question before ``seq`` gets a slot: its automaton, if
+        it has one, has a place in the pool (acquired now)."""
+        checked = self._constraints.get(seq.seq_id)
+        if checked is None or seq.seq_id in self._entries:
+            return True
+        entry = self.automata.acquire(checked)
+        if entry is None:
+            return False
+        self._entries[seq.seq_id] = entry
+        return True
 
     @property
     def idle(self) -> bool:
@@ -144,9 +197,15 @@ class ModelEngine:
 
     def _schedule_and_run(self) -> _Launched | None:
         records = self.records
-        batch = self.scheduler.schedule(self._room() if records is not None else None)
+        batch = self.scheduler.schedule(self._room() if records is not None else None,
+                                        self._admit if self._constraints else None)
         for seq in batch.admitted:
-            self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id))
+            entry = self._entries.get(seq.seq_id)
+            if entry is not None:
+                self.stats.constrained += 1
+                self.stats.automata_copied += not entry.resident
+            self.runner.load_prompt(seq, self._prompts.pop(seq.seq_id), entry)
+        self.stats.automata_evicted = self.automata.evictions
         sampled = [w.seq for w in batch.works if w.sample]
         wanted = [self._top_logprobs(seq) for seq in sampled]
         publish = self._publisher(batch, sampled) if records is not None else None
@@ -163,9 +222,10 @@ class ModelEngine:
         totals = [seq.total for seq in sampled]  # with this step's token
         for seq, total in zip(sampled, totals, strict=True):
             if total >= seq.limit:
-                # Its last token is on its way: it takes no further step, its blocks
-                # and slot go to the next ones (the GPU runs steps in order).
-                self.scheduler.finish(seq)
+                # Its last token is on its way: it takes no further step, its blocks,
+                # slot and automaton's room go to the next ones (the GPU runs steps in
+                # order).
+                self._retire(seq)
         return _Launched(sampled, totals, wanted, drawn)
 
     def _land(self, launched: _Launched) -> list[TokenEvent]:
@@ -194,7 +254,7 @@ class ModelEngine:
             if finish is not FinishReason.NONE:
                 self._seqs.pop(seq.seq_id, None)
                 self._targets.pop(seq.seq_id, None)
-                self.scheduler.finish(seq)
+                self._retire(seq)
         self.stats.judge_s += time.perf_counter() - arrived
         return events
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dpu_frontend.ring.automaton import CheckedAutomaton
 from dpu_frontend.ring.records import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ class EngineStats:
     wait_s: float = 0.0  # host waiting for a step's tokens to reach it
     gpu_s: float = 0.0  # the steps' GPU time (CUDA events around each step's work)
     judge_s: float = 0.0  # host: the stop rules, the events
+    #: Structured output: constrained sequences admitted, the automata copied into GPU
+    #: memory (one per constraint while it stays there), and those evicted for room.
+    constrained: int = 0
+    automata_copied: int = 0
+    automata_evicted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +57,7 @@ class StepEngine(Protocol):
     @property
     def stats(self) -> EngineStats: ...
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
-            target: Target | None = None) -> None: ...
+            target: Target | None = None, automaton: CheckedAutomaton | None = None) -> None: ...
     def cancel(self, seq_id: int, *, final: bool = True) -> None: ...
     def publish_to(self, records: RingRecords) -> None: ...
     def step(self) -> list[TokenEvent]: ...

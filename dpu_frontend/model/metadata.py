@@ -186,15 +186,19 @@ class SamplingRows:
     any_min_p: bool
     any_penalty: bool
     all_greedy: bool
+    #: A row walks a structured output's automaton (``layers.constrain``).
+    any_constrained: bool = False
 
     @classmethod
-    def of(cls, floats: np.ndarray, ints: np.ndarray) -> SamplingRows:
+    def of(cls, floats: np.ndarray, ints: np.ndarray, *,
+           any_constrained: bool = False) -> SamplingRows:
         temperature, top_p, min_p, presence, frequency, repetition = floats
         top_k = ints[0]
         return cls(floats, ints, top_k_max=int(top_k.max(initial=0)), any_top_k=bool(top_k.any()),
                    any_top_p=bool((top_p < 1.0).any()), any_min_p=bool((min_p > 0).any()),
                    any_penalty=bool(row_penalized(presence, frequency, repetition).any()),
-                   all_greedy=bool(row_greedy(temperature).all()))
+                   all_greedy=bool(row_greedy(temperature).all()),
+                   any_constrained=any_constrained)
 
     @classmethod
     def stages_of(cls, variant: str, vocab_size: int) -> SamplingRows:
@@ -232,16 +236,20 @@ class SlotParams:
                               (1, slots))
         self.top_k = np.zeros(slots, np.int64)
         self.seed = np.zeros(slots, np.int64)
+        self.constrained = np.zeros(slots, np.bool_)
 
-    def set(self, slot: int, params: SamplingParams, seed: int) -> None:
+    def set(self, slot: int, params: SamplingParams, seed: int, *,
+            constrained: bool = False) -> None:
         self.floats[:, slot] = _floats(params)
         self.top_k[slot] = _top_k(params, self.vocab_size)
         self.seed[slot] = _seed_bits(seed)
+        self.constrained[slot] = constrained
 
     def rows(self, slots: np.ndarray, steps: np.ndarray) -> SamplingRows:
         """The rows of sequences in ``slots`` drawing their output index ``steps``."""
         return SamplingRows.of(self.floats[:, slots],
-                               np.stack([self.top_k[slots], self.seed[slots], steps]))
+                               np.stack([self.top_k[slots], self.seed[slots], steps]),
+                               any_constrained=bool(self.constrained[slots].any()))
 
 
 def _floats(p: SamplingParams) -> tuple[float, ...]:

@@ -57,6 +57,11 @@ class RunnerOptions:
     # Decode steps as CUDA graphs, one per batch-size bucket; the flag turns them off.
     cuda_graphs: bool = field(default=True, metadata=about(
         "run every step eagerly", flag="--no-cuda-graphs"))
+    # Structured output: the automata of constrained sequences, walked on the GPU
+    # (model/automata.py); one copy per constraint, kept while room allows.
+    automaton_pool_bytes: int = field(default=512 << 20, metadata=about(
+        "GPU memory for structured output's automata (one copy per constraint; a request "
+        "waits for admission while those in use fill it); 0: no structured output"))
     #: Token ids the sampler may draw: the tokenizer's (a model's vocabulary is padded,
     #: Qwen3's 151,936 rows for the tokenizer's 151,669 ids); 0: every row.
     vocab_limit: int = 0
@@ -84,6 +89,8 @@ class RunnerOptions:
             raise ValueError(f"memory_fraction {self.memory_fraction} is outside [0.1, 0.98]")
         if self.vocab_limit < 0:
             raise ValueError("vocab_limit must be >= 0")
+        if self.automaton_pool_bytes < 0:
+            raise ValueError("automaton_pool_bytes must be >= 0")
         if self.num_blocks < 0 or self.max_seqs < 1 or self.max_model_len < 2:
             raise ValueError("num_blocks >= 0, max_seqs >= 1 and max_model_len >= 2")
 

@@ -59,6 +59,7 @@ def model_config(options: ModelPeerOptions) -> ModelConfig:
 
 async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     config = model_config(options)
+    peer = structured_output(peer, options)
     vocab = Vocabulary.load(peer.tokenizer or default_tokenizer_dir())
     if vocab.tokenizer.get_vocab_size() > config.vocab_size:
         raise StartupError(f"the tokenizer has {vocab.tokenizer.get_vocab_size()} ids, the model "
@@ -81,12 +82,32 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
     def source(channel: int, space: RecordSpace) -> SequenceSource:
         return RingSource(hub, channel) if gpu_records else ModelSource(hub, space)
 
-    kernel = ReferenceKernel(peer, [], eos, sources=source, between_steps=hub.step,
-                             stats=hub.stats, opened=hub.opened, closing=hub.closed)
+    kernel = ReferenceKernel(peer, [], eos, vocab_size=vocab.tokenizer.get_vocab_size(),
+                             sources=source, between_steps=hub.step, stats=hub.stats,
+                             opened=hub.opened, closing=hub.closed)
     log.info("model peer: %d layers, hidden %d, %s, weights %s, records written by the %s",
              config.num_layers, config.hidden_size, options.runner.dtype,
              options.runner.weights or "random", options.records)
     return await serve_peer(PeerServer(peer, kernel, model))
+
+
+def structured_output(peer: PeerConfig, options: ModelPeerOptions) -> PeerConfig:
+    """The rings' structured output (FEATURE_CONSTRAINTS): offered by the host-driven
+    engine, whose sampler walks the automata, within its automaton pool; not yet by
+    ``--scheduler gpu`` (its rings then refuse constrained requests, and the daemon
+    answers them 400)."""
+    geometry = peer.geometry
+    if not geometry.max_automaton_bytes:
+        return peer
+    pool = options.runner.automaton_pool_bytes
+    if options.scheduler == "gpu" or not pool:
+        log.info("structured output is off: %s", "the GPU scheduler does not walk automata yet"
+                 if options.scheduler == "gpu" else "--automaton-pool-bytes 0")
+        return replace(peer, geometry=replace(geometry, max_automaton_bytes=0))
+    if geometry.max_automaton_bytes > pool:
+        raise StartupError(f"--max-automaton-bytes {geometry.max_automaton_bytes} is more than "
+                           f"the automaton pool holds (--automaton-pool-bytes {pool})")
+    return peer
 
 
 def cuda_arch(device: int) -> str:

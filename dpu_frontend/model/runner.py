@@ -19,11 +19,13 @@ import torch
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.model import registry
+from dpu_frontend.model.automata import PoolEntry
 from dpu_frontend.model.checkpoint import Checkpoint
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint
 from dpu_frontend.model.graphs import StepGraphs
 from dpu_frontend.model.layers.attention import ATTN_ROWS, Attention, KvCache
+from dpu_frontend.model.layers.constrain import DeviceAutomata
 from dpu_frontend.model.layers.quant import FP8
 from dpu_frontend.model.layers.sampler import Drawn, Sampler, SlotTokens, batch_params, to_device
 from dpu_frontend.model.metadata import SlotParams, StepInputs, step_inputs
@@ -72,6 +74,9 @@ class ModelRunner:
             with source as checkpoint:
                 params = Params.load(table, checkpoint, c, self.dtype, self.device,
                                      fp8=o.fp8_weights)
+        # Before the KV cache takes what is left: structured output's pool and buffers.
+        self.automata = DeviceAutomata(o.automaton_pool_bytes // 4, o.max_seqs + 1,
+                                       o.max_seqs + 1, c.vocab_size, self.device)
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
         cache = self._kv_cache()
         self.model: Decoder = registry.decoder_class(c.architecture)(c, params, cache, o.max_model_len)
@@ -138,8 +143,10 @@ class ModelRunner:
                              f"{o.max_model_len}-token context needs")
         return blocks
 
-    def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
-        """A newly admitted sequence's prompt into its slot (and the penalties' state)."""
+    def load_prompt(self, seq: Sequence, prompt: list[int],
+                    automaton: PoolEntry | None = None) -> None:
+        """A newly admitted sequence's prompt into its slot (and the penalties' state),
+        and the automaton it walks, if it is constrained."""
         ids = to_device(torch.tensor(prompt, dtype=torch.int64), self.device)
         state = self.slots
         state.tokens[seq.slot, :len(prompt)] = ids
@@ -148,7 +155,8 @@ class ModelRunner:
         # index_fill_, not ``[slot, ids] = True``: that indexed store made its value a
         # tensor with a copy that waited for the stream (an overlapped step's whole graph).
         state.in_prompt[seq.slot].index_fill_(0, ids, True)
-        self.slot_params.set(seq.slot, seq.params, seq.seed)
+        self.slot_params.set(seq.slot, seq.params, seq.seed, constrained=automaton is not None)
+        self.automata.attach(seq.slot, automaton)
 
     def step(self, batch: Batch, top_logprobs: int = -1,
              publish: Callable[[Drawn], None] | None = None) -> Drawn | None:
@@ -180,7 +188,8 @@ class ModelRunner:
         params = batch_params(self.slot_params.rows(rows[0], rows[1]), self.device)
         # Each row's slot, and where its token goes there (the position after its last).
         where = to_device(torch.from_numpy(np.stack([rows[0], rows[1] + rows[2]])), self.device)
-        drawn = self.sampler.step(logits, params, where[0], where[1], self.slots, top_logprobs)
+        drawn = self.sampler.step(logits, params, where[0], where[1], self.slots, top_logprobs,
+                                  self.automata)
         if publish is not None:
             publish(drawn)
         drawn.send_home(start)

@@ -10,7 +10,8 @@ per-slot token buffer. Each step the scheduler spends a token budget:
    output index, so the recomputed tokens are the same);
 2. running sequences still prefilling take chunks of what budget is left;
 3. waiting sequences are admitted in arrival order while a slot is free, the
-   budget lasts, and the free blocks hold everything they know so far. When
+   budget lasts, the free blocks hold everything they know so far, and the
+   engine has room for what else they need (a constraint's automaton). When
    the head of the queue does not fit, admission waits: nothing is evicted to
    make room for a newcomer.
 
@@ -107,10 +108,13 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self, room: Callable[[Sequence], bool] | None = None) -> Batch:
+    def schedule(self, room: Callable[[Sequence], bool] | None = None,
+                 admit: Callable[[Sequence], bool] | None = None) -> Batch:
         """The next step's batch. ``room``, asked before a sequence samples (a decode,
         or the chunk that ends its prompt): False holds the sequence out of this step
-        (the ring its records go to is full; it keeps its slot and blocks)."""
+        (the ring its records go to is full; it keeps its slot and blocks). ``admit``,
+        asked last before a waiting sequence gets a slot: False, and admission waits
+        (what it needs besides blocks, its automaton's room, is not there yet)."""
         batch = Batch()
         budget = self.max_batched_tokens
         for seq in list(self.running):
@@ -143,6 +147,8 @@ class Scheduler:
             if room is not None and self._samples(seq, budget) and not room(seq):
                 held.append(self.waiting.popleft())  # its ring is full: the next one may go
                 continue
+            if seq.slot < 0 and admit is not None and not admit(seq):
+                break
             self.waiting.popleft()
             if seq.slot < 0:
                 seq.slot = self._free_slots.pop()

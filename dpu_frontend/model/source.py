@@ -30,6 +30,7 @@ from dpu_frontend.model.publish import RingRecords, Target
 from dpu_frontend.peer.generator import ActiveSequences, GeneratorStats
 from dpu_frontend.peer.reference import RecordSpace
 from dpu_frontend.ring import FinishReason, GenerateRecord, Layout, ResponseRecord, TokenLogprobs
+from dpu_frontend.ring.automaton import CheckedAutomaton
 from dpu_frontend.ring.memory import AtomicMemory
 
 log = logging.getLogger("dpu_frontend.model")
@@ -78,10 +79,11 @@ class EngineHub:
             self.records = None
 
     def add(self, source: ModelSource | RingSource, request_id: int, prompt: tuple[int, ...],
-            record: GenerateRecord, target: Target | None = None) -> int:
+            record: GenerateRecord, target: Target | None = None,
+            automaton: CheckedAutomaton | None = None) -> int:
         seq_id = self._next_id
         self._next_id += 1
-        self.engine.add(seq_id, list(prompt), record.params, target)
+        self.engine.add(seq_id, list(prompt), record.params, target, automaton)
         self._owner[seq_id] = (source, request_id)
         return seq_id
 
@@ -132,10 +134,11 @@ class ModelSource(ActiveSequences[_Pending]):
         self._ready: dict[int, None] = {}
         super().__init__()
 
-    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float,
+              automaton: CheckedAutomaton | None = None) -> None:
         self.stats.admitted += 1
         try:
-            seq_id = self.hub.add(self, record.request_id, prompt, record)
+            seq_id = self.hub.add(self, record.request_id, prompt, record, automaton=automaton)
         except ValueError as exc:  # a prompt the model cannot take: the request fails alone
             log.warning("request %d refused by the engine: %s", record.request_id, exc)
             self._active[record.request_id] = _Pending(-1, finish=FinishReason.ERROR)
@@ -214,12 +217,13 @@ class RingSource(ActiveSequences[int]):
             raise RuntimeError("the record writer is not made before the region is open")
         return self.hub.records
 
-    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None:
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float,
+              automaton: CheckedAutomaton | None = None) -> None:
         self.stats.admitted += 1
         target = Target(self.channel, record.request_id)
         try:
             self._active[record.request_id] = self.hub.add(self, record.request_id, prompt,
-                                                           record, target)
+                                                           record, target, automaton)
         except ValueError as exc:  # a prompt the model cannot take: the request fails alone
             log.warning("request %d refused by the engine: %s", record.request_id, exc)
             self.records.final(-1, target, FinishReason.ERROR)

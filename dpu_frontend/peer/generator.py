@@ -41,7 +41,7 @@ from importlib.resources import files
 from typing import Generic, TypeVar
 
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, TokenLogprobs
-from dpu_frontend.ring.automaton import TokenAutomaton, distances, shortest_token
+from dpu_frontend.ring.automaton import CheckedAutomaton, shortest_token
 
 DOCUMENT_SEPARATOR = "\n%%\n"
 S = TypeVar("S")
@@ -73,24 +73,11 @@ def default_corpus() -> list[str]:
     return [doc.strip() for doc in text.split(DOCUMENT_SEPARATOR) if doc.strip()]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class WalkedAutomaton:
-    """A checked automaton and each state's distance to the end (``distances``): what
-    the walks of one constraint share."""
-
-    automaton: TokenAutomaton
-    distance: Sequence[int]
-
-    @classmethod
-    def of(cls, automaton: TokenAutomaton) -> WalkedAutomaton:
-        return cls(automaton, distances(automaton))
-
-
 @dataclass(slots=True)
 class AutomatonWalk:
     """One sequence's place in its automaton."""
 
-    walked: WalkedAutomaton
+    walked: CheckedAutomaton
     state: int = 0
 
     def choose(self, candidate: int | None, left: int) -> int | None:
@@ -235,7 +222,7 @@ class TokenGenerator(ActiveSequences[_Sequence]):
         self.stats = GeneratorStats()
 
     def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float,
-              automaton: WalkedAutomaton | None = None) -> None:
+              automaton: CheckedAutomaton | None = None) -> None:
         """Start a sequence; ``automaton`` constrains what it generates."""
         source = self._source(prompt, record.params.seed)
         walk = AutomatonWalk(automaton) if automaton is not None else None

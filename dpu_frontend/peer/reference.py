@@ -25,12 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import ProtocolError
-from dpu_frontend.peer.generator import (
-    GeneratorStats,
-    StepBatch,
-    TokenGenerator,
-    WalkedAutomaton,
-)
+from dpu_frontend.peer.generator import GeneratorStats, StepBatch, TokenGenerator
 from dpu_frontend.peer.kernel import PeerKernel
 from dpu_frontend.peer.region import Region, RegionAddress
 from dpu_frontend.ring import (
@@ -41,7 +36,7 @@ from dpu_frontend.ring import (
     Layout,
     ResponseRecord,
 )
-from dpu_frontend.ring.automaton import decode_automaton
+from dpu_frontend.ring.automaton import CheckedAutomaton, decode_automaton
 from dpu_frontend.ring.mailbox import (
     ChannelState,
     Command,
@@ -68,7 +63,8 @@ class SequenceSource(Protocol):
     @property
     def active_ids(self) -> list[int]: ...
     def has(self, request_id: int) -> bool: ...
-    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float) -> None: ...
+    def admit(self, record: GenerateRecord, prompt: tuple[int, ...], now: float,
+              automaton: CheckedAutomaton | None = None) -> None: ...
     def cancel(self, request_id: int) -> ResponseRecord | None: ...
     def drop_all(self) -> None: ...
     def step(self, now: float, budget: int) -> list[ResponseRecord]: ...
@@ -129,8 +125,8 @@ class ReferenceKernel(PeerKernel):
         self._eos = eos_token_ids
         #: Structured output: automata are over this vocabulary (the tokenizer's).
         self._vocab_size = vocab_size
-        self._automata: Lru[WalkedAutomaton] = Lru(AUTOMATA_CACHED, sys.maxsize,
-                                                   lambda w: w.automaton.nbytes)
+        self._automata: Lru[CheckedAutomaton] = Lru(AUTOMATA_CACHED, sys.maxsize,
+                                                    lambda c: c.automaton.nbytes)
         self._sources = sources or self._generator
         self._between_steps = between_steps
         self._stats = stats
@@ -259,30 +255,30 @@ class ReferenceKernel(PeerKernel):
                 # log probabilities this channel does not offer.
                 ring.refuse()
             elif automaton:
-                walked = self._walked(automaton)
-                if walked is None or not isinstance(generator, TokenGenerator):
+                checked = self._checked(automaton)
+                if checked is None:
                     # An automaton that fails its checks: refused, and answered at once,
                     # so that its stream ends with an error instead of waiting.
                     ring.refuse()
                     outbox.append(ResponseRecord(record.request_id, (), FinishReason.ERROR))
                 else:
-                    generator.admit(record, prompt, now, walked)
+                    generator.admit(record, prompt, now, checked)
             else:
                 generator.admit(record, prompt, now)
 
-    def _walked(self, encoded: bytes) -> WalkedAutomaton | None:
+    def _checked(self, encoded: bytes) -> CheckedAutomaton | None:
         """The checked automaton of ``encoded``, from the cache where the same bytes came
         before (one constraint, many requests); None, logged, if it fails a check."""
-        digest = hashlib.blake2b(encoded, digest_size=16).hexdigest()
-        walked = self._automata.get(digest)
-        if walked is not None:
-            return walked
+        digest = hashlib.blake2b(encoded, digest_size=16).digest()
+        checked = self._automata.get(digest.hex())
+        if checked is not None:
+            return checked
         try:
-            walked = WalkedAutomaton.of(decode_automaton(encoded, self._vocab_size))
+            checked = CheckedAutomaton(decode_automaton(encoded, self._vocab_size), digest)
         except ProtocolError as exc:
             log.warning("constrained request refused: %s", exc)
             return None
-        return self._automata.put(digest, walked)
+        return self._automata.put(digest.hex(), checked)
 
     def _publish(self, channel: _Channel, now: float) -> None:
         ring, generator, outbox = channel.ring, channel.generator, channel.outbox

@@ -28,11 +28,13 @@ in it is checked before a peer walks it (``decode_automaton``): a bad automaton 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 from dpu_frontend.errors import ProtocolError
@@ -128,6 +130,27 @@ class TokenAutomaton:
                 return None
             state = self.next_state(state, token)
         return state
+
+
+class CheckedAutomaton:
+    """A request's automaton that passed ``decode_automaton``'s checks, and the digest of
+    its bytes: what every sequence of one constraint shares on a GPU side (the
+    reference peers' walks, the engine's copy in GPU memory). Each state's distance to
+    the end (``distances``, the reference walk's) is computed when first asked."""
+
+    def __init__(self, automaton: TokenAutomaton, digest: bytes) -> None:
+        self.automaton = automaton
+        self.digest = digest
+
+    @classmethod
+    def of(cls, automaton: TokenAutomaton) -> CheckedAutomaton:
+        """An automaton built here (tests), its digest over its arrays."""
+        return cls(automaton, hashlib.blake2b(automaton_words(automaton),
+                                              digest_size=16).digest())
+
+    @cached_property
+    def distance(self) -> array[int]:
+        return distances(self.automaton)
 
 
 def build_automaton(transitions: dict[int, dict[int, int]], initial: int, vocab_size: int,
@@ -238,6 +261,13 @@ def _words(values: array[int]) -> bytes:
     return values.tobytes()
 
 
+def automaton_words(automaton: TokenAutomaton) -> bytes:
+    """The six arrays as they follow the header on the wire: what a GPU side walks."""
+    a = automaton
+    return b"".join(_words(x) for x in (a.list_start, a.list_tokens, a.list_next,
+                                        a.default_next, a.mask_at, a.masks))
+
+
 def encode_automaton(automaton: TokenAutomaton, key: int = 0) -> bytes:
     """The automaton's wire form: the header, then its six arrays. ``key`` is the
     constraint's identity (the daemon's cache key, its first 8 bytes): one key, one
@@ -250,8 +280,7 @@ def encode_automaton(automaton: TokenAutomaton, key: int = 0) -> bytes:
     head = AUTOMATON_STRUCT.pack(AUTOMATON_MAGIC, AUTOMATON_HEADER_SIZE, a.vocab_size, a.eos,
                                  a.states, len(a.list_tokens), a.mask_words, dense, total,
                                  key)
-    return head + b"".join(_words(x) for x in (a.list_start, a.list_tokens, a.list_next,
-                                                a.default_next, a.mask_at, a.masks))
+    return head + automaton_words(a)
 
 
 def automaton_key(data: bytes | memoryview) -> int:
@@ -332,6 +361,12 @@ def _check(vocab: int, states: int, list_len: int, mask_words: int, dense: int,
         offsets.add(at)
     if len(offsets) != dense:
         raise ProtocolError(f"automaton: {dense} bitmasks, {len(offsets)} used")
+    for s in range(states):
+        # A state that allows nothing would leave a GPU side's masked logits all -inf.
+        at = mask_at[s]
+        if list_start[s] == list_start[s + 1] and (
+                at == NONE or masks[at:at + mask_words].count(0) == mask_words):
+            raise ProtocolError(f"automaton: state {s} allows no token")
     tail = vocab % 32
     if tail:
         spare = ~((1 << tail) - 1) & 0xFFFF_FFFF

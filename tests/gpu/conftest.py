@@ -37,8 +37,8 @@ if os.environ.get("DPU_FRONTEND_REQUIRE_GPU") == "1" or all(
 
     from dpu_frontend.model.runner import ModelRunner
 else:
-    collect_ignore = ["test_linear.py", "test_fp8.py", "test_llama.py", "test_llama_serving.py",
-                      "test_moe.py", "test_qk_norm_rope.py", "test_model.py",
+    collect_ignore = ["test_constrained.py", "test_linear.py", "test_fp8.py", "test_llama.py",
+                      "test_llama_serving.py", "test_moe.py", "test_qk_norm_rope.py", "test_model.py",
                       "test_model_serving.py", "test_record_writer.py", "test_gpu_scheduler.py",
                       "test_gpu_region.py"]
 

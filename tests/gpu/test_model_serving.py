@@ -5,11 +5,13 @@ gpu``); the daemon over the shm transport, the official openai SDK in front
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.ring.records import SamplingParams
@@ -36,6 +38,7 @@ PEERS = {"gpu": ("--records", "gpu"), "host": ("--records", "host"),
 def model_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     with running_stack("shm", timeout=600, peer_command="model-peer",
                        peer_args=(*MODEL_ARGS, *PEERS[request.param])) as stack:
+        stack.extra["peer"] = request.param
         yield stack
 
 
@@ -135,6 +138,42 @@ def test_logprobs_through_the_daemon_are_the_engines(model_stack: Stack,
     assert content[0].top_logprobs[0].logprob >= content[0].logprob  # the most likely first
     print(f"log probabilities through the daemon = the engine's: {len(expected.tokens)} tokens "
           f"x 5 alternatives; first {expected.logprobs[0]:.4f}")
+
+
+#: A JSON schema whose answers all end within a few tokens (so a random model ends it
+#: with STOP): an object of one property, one of two values.
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+                 "required": ["answer"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_daemon(model_stack: Stack) -> None:
+    """``response_format`` json_schema (chat) and ``guided_regex`` (completions), streamed
+    and not: the engine walks the automata on the GPU, so even random weights answer
+    within them. The GPU scheduler does not walk them yet: its rings offer no
+    constraints, and the daemon answers 400."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA,
+                                                    "strict": True}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Is the ring full?"}],
+            "max_tokens": 40, "temperature": 0.9, "seed": 5, "response_format": fmt}
+    regex = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0.0,
+             "extra_body": {"guided_regex": "[0-9]{3}-[a-z]{2}"}}
+    with client(model_stack) as c:
+        if model_stack.extra.get("peer") == "gpu-scheduler":
+            with pytest.raises(BadRequestError, match="structured output"):
+                c.chat.completions.create(**chat)  # type: ignore[call-overload]
+            return
+        full = c.chat.completions.create(**chat)  # type: ignore[call-overload]
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                           c.chat.completions.create(stream=True, **chat)  # type: ignore[call-overload]
+                           if ch.choices)
+        code = c.completions.create(**regex)  # type: ignore[call-overload]
+    content = full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop" and streamed == content
+    assert json.loads(content) in ({"answer": "yes"}, {"answer": "no"}), content
+    assert code.choices[0].finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", code.choices[0].text), code.choices[0].text
+    print(f"structured output through the daemon, walked on the GPU: {content!r} (json_schema, "
+          f"streamed the same), {code.choices[0].text!r} (guided_regex)")
 
 
 def test_many_streams_and_disconnects_end_cleanly(model_stack: Stack) -> None:

@@ -5,16 +5,19 @@ nothing else), so results must not depend on how steps are batched or overlapped
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from dpu_frontend.model.automata import PoolEntry
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import Completion, ModelEngine
 from dpu_frontend.model.options import EngineOptions, RunnerOptions
 from dpu_frontend.model.scheduler import Batch, Sequence
+from dpu_frontend.ring.automaton import CheckedAutomaton, TokenAutomaton
 from dpu_frontend.ring.records import FinishReason, SamplingParams
 
 EOS = ModelConfig.default().eos_token_ids[0]
@@ -43,15 +46,22 @@ def draw(seq: Sequence) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, max_seqs: int, max_model_len: int) -> None:
+    def __init__(self, num_blocks: int, max_seqs: int, max_model_len: int,
+                 automaton_pool_bytes: int = 1 << 20) -> None:
         self.options = RunnerOptions(max_seqs=max_seqs, max_model_len=max_model_len,
-                                     block_size=16)
+                                     block_size=16, automaton_pool_bytes=automaton_pool_bytes)
         self.num_blocks = num_blocks
         self.slots: dict[int, int] = {}  # slot -> seq_id loaded there
+        self.automata: dict[int, PoolEntry | None] = {}  # slot -> its automaton's entry
         self.steps = 0
 
-    def load_prompt(self, seq: Sequence, prompt: list[int]) -> None:
+    def load_prompt(self, seq: Sequence, prompt: list[int],
+                    automaton: PoolEntry | None = None) -> None:
         self.slots[seq.slot] = seq.seq_id
+        if automaton is not None:
+            assert automaton.users > 0, "a slot given an automaton nobody counts"
+            automaton.resident = True  # copied (DeviceAutomata.attach)
+        self.automata[seq.slot] = automaton
 
     def step(self, batch: Batch, top_logprobs: int = -1,
              publish: Callable[[FakeDrawn], None] | None = None) -> FakeDrawn | None:
@@ -169,3 +179,85 @@ def test_an_engine_whose_sequences_are_all_cancelled_is_idle() -> None:
         eng.cancel(i)
     assert eng.idle and eng.scheduler.pool.free == eng.scheduler.pool.num_blocks
     assert eng.step() == [] and eng.idle  # the batch still on its way lands, empty
+
+
+def constraint(states: int, eos: int = EOS) -> CheckedAutomaton:
+    """A chain of ``states`` sparse states over the model's ids; the last may only end."""
+    vocab = ModelConfig.default().vocab_size
+    return CheckedAutomaton.of(TokenAutomaton(
+        vocab, eos, array("i", range(states + 1)), array("i", [*range(states - 1), eos]),
+        array("i", [*range(1, states), states - 1]), array("i", [-1] * states),
+        array("i", [-1] * states), array("I")))
+
+
+def constrained_engine(pool_bytes: int) -> ModelEngine:
+    runner = FakeRunner(64, 4, 512, automaton_pool_bytes=pool_bytes)
+    return ModelEngine(ModelConfig.default(), runner,  # type: ignore[arg-type]
+                       EngineOptions(max_batched_tokens=64))
+
+
+def test_constrained_sequences_share_a_copy_and_wait_for_room() -> None:
+    """Two constraints whose automata do not fit the pool together: the second one's
+    sequence waits for admission until the first's are done; the first's share one
+    copy; every copy is released at the end."""
+    eng = constrained_engine(4 * 128)  # 4 blocks of 32 words: one 3-block automaton
+    a, b = constraint(15), constraint(16)  # 76 and 81 words: 3 blocks each
+    params = SamplingParams(max_tokens=6, seed=1, ignore_eos=True)
+    eng.add(0, [1] * 4, params, automaton=a)
+    eng.add(1, [1] * 4, params, automaton=CheckedAutomaton(a.automaton, a.digest))
+    eng.add(2, [1] * 4, params, automaton=b)
+    eng.add(3, [1] * 4, params)  # unconstrained: behind the waiting one, in order
+    runner = eng.runner
+    assert isinstance(runner, FakeRunner)
+    eng.step()
+    loaded = {runner.slots[slot]: entry for slot, entry in runner.automata.items()}
+    assert set(loaded) == {0, 1}  # 2 waits for room, and 3 behind it
+    assert loaded[0] is loaded[1] and loaded[0] is not None and loaded[0].users == 2
+    while not eng.idle:
+        eng.step()
+    loaded = {runner.slots[slot]: entry for slot, entry in runner.automata.items()}
+    assert set(loaded) == {2, 3} and loaded[3] is None  # in the slots 0 and 1 left
+    entry = loaded[2]
+    assert entry is not None and entry.users == 0 and eng.automata.evictions == 1
+    assert eng.automata.entries == 1
+    stats = eng.stats
+    assert (stats.constrained, stats.automata_copied, stats.automata_evicted) == (3, 2, 1)
+
+
+def test_a_constrained_sequence_ends_at_its_automatons_end_token() -> None:
+    """Protocol 5.4: the end token finishes a constrained sequence with STOP, whatever
+    ignore_eos says, on the host's judgement and the record writer's (its stop ids)."""
+    eng = constrained_engine(1 << 20)
+    eng.add(0, [1], SamplingParams(max_tokens=4, ignore_eos=True), automaton=constraint(3))
+    assert not eng._seqs[0].params.ignore_eos  # EOS is the engine's: it stops as one
+    eng.add(1, [1], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(9,)),
+            automaton=constraint(3, eos=5))
+    params = eng._seqs[1].params
+    assert params.ignore_eos and params.stop_token_ids == (9, 5)
+    with pytest.raises(ValueError, match="no room for its automaton's end token 5"):
+        eng.add(2, [1], SamplingParams(max_tokens=4, stop_token_ids=tuple(range(10, 18))),
+                automaton=constraint(3, eos=5))
+    with pytest.raises(ValueError, match="does not fit the 128-byte automaton pool"):
+        constrained_engine(128).add(3, [1], SamplingParams(max_tokens=4),
+                                    automaton=constraint(15))
+    eng.cancel(0)
+    eng.cancel(1)
+    assert eng.idle and eng.automata.used_words == 0  # never admitted: nothing held
+
+
+def test_cancelled_and_finished_sequences_release_their_automaton() -> None:
+    for overlap in (False, True):
+        runner = FakeRunner(64, 4, 512)
+        eng = ModelEngine(ModelConfig.default(), runner,  # type: ignore[arg-type]
+                          EngineOptions(max_batched_tokens=64, overlap=overlap))
+        a = constraint(4)
+        for i in range(4):
+            eng.add(i, [1] * 3, SamplingParams(max_tokens=3 + 20 * (i % 2), seed=i,
+                                               ignore_eos=True), automaton=a)
+        for _ in range(3):
+            eng.step()
+        eng.cancel(1)
+        while not eng.idle:
+            eng.step()
+        entry = next(e for e in runner.automata.values() if e is not None)
+        assert entry.users == 0 and eng.automata.entries == 1 and not eng._entries

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from array import array
 
 import pytest
 
@@ -16,6 +17,7 @@ from dpu_frontend.model.publish import RingRecords, Target
 from dpu_frontend.model.source import EngineHub, ModelSource
 from dpu_frontend.peer.reference import RecordSpace, ReferenceKernel
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
+from dpu_frontend.ring.automaton import CheckedAutomaton, TokenAutomaton
 
 
 class ScriptedEngine:
@@ -25,6 +27,7 @@ class ScriptedEngine:
         self.scripts = scripts  # by prompt's first token
         self.running: dict[int, tuple[list[int], FinishReason]] = {}
         self.cancelled: list[int] = []
+        self.automata: dict[int, CheckedAutomaton | None] = {}
         self.stats = EngineStats()
 
     @property
@@ -32,7 +35,8 @@ class ScriptedEngine:
         return not self.running
 
     def add(self, seq_id: int, prompt: list[int], params: SamplingParams,
-            target: Target | None = None) -> None:
+            target: Target | None = None, automaton: CheckedAutomaton | None = None) -> None:
+        self.automata[seq_id] = automaton
         if prompt[0] < 0:
             raise ValueError("a prompt token id is outside the vocabulary")
         tokens, finish = self.scripts[prompt[0]]
@@ -112,6 +116,17 @@ def test_a_prompt_the_engine_refuses_fails_alone() -> None:
     drive(hub, 1)
     assert source.step(0.0, 10) == [ResponseRecord(1, (), FinishReason.ERROR),
                                     ResponseRecord(2, (5,), FinishReason.LENGTH)]
+
+
+def test_a_constrained_request_brings_its_automaton_to_the_engine() -> None:
+    engine = ScriptedEngine({1: ([5], FinishReason.STOP)})
+    hub = EngineHub(engine)
+    checked = CheckedAutomaton.of(TokenAutomaton(
+        8, 7, array("i", [0, 1]), array("i", [7]), array("i", [0]), array("i", [-1]),
+        array("i", [-1]), array("I")))
+    ModelSource(hub, RecordSpace(4, 1)).admit(record(1), (1,), 0.0, checked)
+    ModelSource(hub, RecordSpace(4, 1)).admit(record(2), (1,), 0.0)
+    assert engine.automata == {0: checked, 1: None}
 
 
 def test_channels_share_one_engine_and_a_reset_drops_only_its_own() -> None:

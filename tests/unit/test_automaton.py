@@ -14,13 +14,14 @@ import pytest
 
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.errors import ProtocolError
-from dpu_frontend.peer.generator import AutomatonWalk, TokenGenerator, WalkedAutomaton
+from dpu_frontend.peer.generator import AutomatonWalk, TokenGenerator
 from dpu_frontend.peer.reference import ReferenceKernel
 from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
 from dpu_frontend.ring.automaton import (
     AUTOMATON_STRUCT,
     NONE,
     UNREACHABLE,
+    CheckedAutomaton,
     TokenAutomaton,
     automaton_key,
     decode_automaton,
@@ -35,12 +36,13 @@ VOCAB, EOS = 40, 39
 def chain() -> TokenAutomaton:
     """Over 40 tokens, end token 39: state 0 (dense) takes 0-37 to state 1 and 38 to
     state 2; state 1 takes 5 to state 2 and 6 to state 0; state 2 may end (39), or
-    take 7 back to state 0; a dead end, state 3, is reached from nowhere."""
+    take 7 back to state 0; a dead end, state 3, reached from nowhere, only loops on
+    itself by 8."""
     return TokenAutomaton(
         vocab_size=VOCAB, eos=EOS,
-        list_start=array("i", [0, 1, 3, 5, 5]),
-        list_tokens=array("i", [38, 5, 6, 7, EOS]),
-        list_next=array("i", [2, 2, 0, 0, 2]),
+        list_start=array("i", [0, 1, 3, 5, 6]),
+        list_tokens=array("i", [38, 5, 6, 7, EOS, 8]),
+        list_next=array("i", [2, 2, 0, 0, 2, 3]),
         default_next=array("i", [1, NONE, NONE, NONE]),
         mask_at=array("i", [0, NONE, NONE, NONE]),
         masks=array("I", [0xFFFF_FFFF, 0x7F]))
@@ -65,8 +67,14 @@ def _word(index: int, value: int) -> bytes:
     return _patched(AUTOMATON_STRUCT.size + 4 * index, "<i", value)
 
 
-# The arrays' words: list_start 0-4, list_tokens 5-9, list_next 10-14, default_next
-# 15-18, mask_at 19-22, masks 23-24.
+def _without_state_3s_token() -> TokenAutomaton:
+    a = chain()
+    return TokenAutomaton(a.vocab_size, a.eos, array("i", [0, 1, 3, 5, 5]), a.list_tokens[:5],
+                          a.list_next[:5], a.default_next, a.mask_at, a.masks)
+
+
+# The arrays' words: list_start 0-4, list_tokens 5-10, list_next 11-16, default_next
+# 17-20, mask_at 21-24, masks 25-26.
 BROKEN: list[tuple[str, Callable[[], bytes], str]] = [
     ("truncated", lambda: encode_automaton(chain())[:40], "shorter than its header"),
     ("magic", lambda: b"DPUFAUT2" + encode_automaton(chain())[8:], "magic"),
@@ -81,11 +89,16 @@ BROKEN: list[tuple[str, Callable[[], bytes], str]] = [
     ("tokens ascending", lambda: _word(6, 9), "not ascending"),
     ("token past vocabulary", lambda: _word(8, 40), "not ascending ids below 40"),
     ("next state", lambda: _word(12, 4), "next state is out of range"),
-    ("sparse default", lambda: _word(16, 0), "sparse state 1 has a default"),
-    ("dense default", lambda: _word(15, 7), "default 7 is out of range"),
-    ("mask offset", lambda: _word(19, 1), "not its own"),
-    ("shared mask", lambda: _word(20, 0), "not its own"),
-    ("bits past vocabulary", lambda: _word(24, 0x1FF), "past the vocabulary"),
+    ("sparse default", lambda: _word(18, 0), "sparse state 1 has a default"),
+    ("dense default", lambda: _word(17, 7), "default 7 is out of range"),
+    ("mask offset", lambda: _word(21, 1), "not its own"),
+    ("shared mask", lambda: _word(22, 0), "not its own"),
+    ("bits past vocabulary", lambda: _word(26, 0x1FF), "past the vocabulary"),
+    ("a state allowing nothing", lambda: encode_automaton(_without_state_3s_token()),
+     "state 3 allows no token"),
+    ("a dense state allowing nothing", lambda: encode_automaton(TokenAutomaton(
+        VOCAB, EOS, array("i", [0, 0]), array("i"), array("i"), array("i", [0]),
+        array("i", [0]), array("I", [0, 0]))), "state 0 allows no token"),
 ]
 
 
@@ -113,7 +126,7 @@ def test_distances_and_the_shortest_token() -> None:
 
 
 def test_the_walk_takes_the_source_where_it_may_and_steers_to_the_end() -> None:
-    walked = WalkedAutomaton.of(chain())
+    walked = CheckedAutomaton.of(chain())
     walk = AutomatonWalk(walked)
     assert walk.choose(3, left=10) == 3 and walk.state == 1  # allowed: taken
     assert walk.choose(30, left=10) == 5 and walk.state == 2  # not allowed: nearest the end
@@ -132,21 +145,21 @@ def test_the_replay_generator_walks_a_constrained_request_to_its_end() -> None:
                                tokens_per_s=0, tokens_per_step=8)
     params = SamplingParams(max_tokens=10)
     generator.admit(GenerateRecord(1, 0, 1, params, automaton_bytes=1), (1,), 0.0,
-                    WalkedAutomaton.of(chain()))
+                    CheckedAutomaton.of(chain()))
     # 3 is allowed (to state 1); 30 is not: 5, nearest the end (state 2); 31 is not
     # allowed there, and state 2 may end: the end token, a STOP.
     assert generator.step(0.0, 10) == [ResponseRecord(1, (3, 5), FinishReason.STOP)]
     generator.admit(GenerateRecord(2, 0, 1, params, automaton_bytes=1), (1,), 0.0,
-                    WalkedAutomaton(chain(), distances(chain())))
-    generator._active[2].walk = AutomatonWalk(WalkedAutomaton.of(chain()), state=3)
+                    CheckedAutomaton.of(chain()))
+    generator._active[2].walk = AutomatonWalk(CheckedAutomaton.of(chain()), state=3)
     assert generator.step(0.0, 10) == [ResponseRecord(2, (), FinishReason.ERROR)]
 
 
 def test_the_reference_kernel_checks_each_automaton_once() -> None:
     kernel = ReferenceKernel(PeerConfig(), [[5, 6, 7]], (0,), vocab_size=VOCAB)
     encoded = encode_automaton(chain())
-    first = kernel._walked(encoded)
+    first = kernel._checked(encoded)
     assert first is not None and first.automaton == chain()
-    assert kernel._walked(bytes(encoded)) is first  # the same bytes: the checked one
-    assert kernel._walked(encoded[:-4]) is None  # fails a check: refused (and logged)
-    assert ReferenceKernel(PeerConfig(), [[5]], (0,), vocab_size=41)._walked(encoded) is None
+    assert kernel._checked(bytes(encoded)) is first  # the same bytes: the checked one
+    assert kernel._checked(encoded[:-4]) is None  # fails a check: refused (and logged)
+    assert ReferenceKernel(PeerConfig(), [[5]], (0,), vocab_size=41)._checked(encoded) is None

@@ -38,7 +38,7 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "--req-slots": (256, None), "--mode": ("replay", ("replay", "echo")),
     "--tokens-per-step": (0, None), "--secret-file": (None, None),
 }
-#: Geometry() (model peer; the reference peer's REFERENCE_GEOMETRY differs below) and
+#: Geometry() (the reference and model peers' REFERENCE_GEOMETRY differs below) and
 #: GPU_GEOMETRY (CUDA peer).
 GEOMETRY = {"--arena-bytes": (4 << 20, None), "--resp-slots": (1024, None),
             "--resp-slot-size": (96, None), "--max-sequences": (256, None),
@@ -58,6 +58,8 @@ FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
         "--library": (None, None), "--build-dir": (default_build_dir(), None),
         "--cuda-arch": ("sm_90", None), "--nvcc": (None, None)},
     "model-peer": SHARED | GEOMETRY | CLOCK | {
+        "--arena-bytes": (36 << 20, None), "--max-automaton-bytes": (32 << 20, None),
+        "--automaton-pool-bytes": (512 << 20, None),
         "--weights": (None, None), "--model-config": (None, None),
         "--dtype": ("bfloat16", ("bfloat16", "float16", "float32")), "--device": (0, None),
         "--quantization": ("none", ("none", "fp8")), "--kv-cache-dtype": ("auto", ("auto", "fp8")),
@@ -93,11 +95,13 @@ def configs(*argv: str) -> tuple[object, ...]:
     return PEER.build(args), logging_config
 
 
+#: The model peer's rings without a flag: the reference peer's, structured output included.
+MODEL_DEFAULT = PeerConfig(geometry=REFERENCE_GEOMETRY)
 DEFAULTS: dict[str, tuple[object, ...]] = {
     "peer": (PeerConfig(geometry=REFERENCE_GEOMETRY), LoggingConfig()),
     "gpu-peer": (GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY)), LoggingConfig()),
-    "model-peer": (PeerConfig(), ModelPeerOptions(None, RunnerOptions(), EngineOptions()),
-                   LoggingConfig()),
+    "model-peer": (PeerConfig(geometry=REFERENCE_GEOMETRY),
+                   ModelPeerOptions(None, RunnerOptions(), EngineOptions()), LoggingConfig()),
 }
 
 
@@ -172,26 +176,29 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
       "--max-model-len", "4096", "--kv-blocks", "100", "--block-size", "16",
       "--memory-fraction", "0.5", "--max-batched-tokens", "512", "--no-cuda-graphs",
       "--no-overlap", "--records", "host", "--records-library", "/r.so",
-      "--scheduler-library", "/s.so"],
+      "--scheduler-library", "/s.so", "--max-automaton-bytes", "1024",
+      "--automaton-pool-bytes", "65536"],
      (PeerConfig(transport="shm", tick_s=0.005, heartbeat_s=0.02,
-                 geometry=Geometry(resp_slot_size=64, logprobs=False)),
+                 geometry=replace(REFERENCE_GEOMETRY, resp_slot_size=64, logprobs=False,
+                                  max_automaton_bytes=1024)),
       ModelPeerOptions(Path("/c.json"),
                        RunnerOptions(dtype="float32", device=1, weights=Path("/w"), weight_seed=7,
                                      block_size=16, num_blocks=100, memory_fraction=0.5,
-                                     max_seqs=64, max_model_len=4096, cuda_graphs=False),
+                                     max_seqs=64, max_model_len=4096, cuda_graphs=False,
+                                     automaton_pool_bytes=65536),
                        EngineOptions(max_batched_tokens=512, overlap=False),
                        records="host", records_library=Path("/r.so"),
                        scheduler_library=Path("/s.so")),
       LoggingConfig())),
     (["model-peer", "--scheduler", "gpu", "--overlap", "--max-seqs", "1024"],
-     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(max_seqs=1024), EngineOptions(),
-                                     scheduler="gpu"), LoggingConfig())),
+     (MODEL_DEFAULT, ModelPeerOptions(None, RunnerOptions(max_seqs=1024), EngineOptions(),
+                                      scheduler="gpu"), LoggingConfig())),
     (["model-peer", "--quantization", "fp8", "--kv-cache-dtype", "fp8"],
-     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(quantization="fp8", kv_cache_dtype="fp8"),
-                                     EngineOptions()), LoggingConfig())),
+     (MODEL_DEFAULT, ModelPeerOptions(None, RunnerOptions(quantization="fp8", kv_cache_dtype="fp8"),
+                                      EngineOptions()), LoggingConfig())),
     (["model-peer", "--quantization", "fp8", "--dtype", "float16"],
-     (PeerConfig(), ModelPeerOptions(None, RunnerOptions(dtype="float16", quantization="fp8"),
-                                     EngineOptions()), LoggingConfig())),
+     (MODEL_DEFAULT, ModelPeerOptions(None, RunnerOptions(dtype="float16", quantization="fp8"),
+                                      EngineOptions()), LoggingConfig())),
 ]
 
 
@@ -257,7 +264,7 @@ NOT_FLAGS = {
     "peer": {"log_format"},
     "gpu-peer": {"log_format", "tokens_per_s", "step_s", "batch", "tick_s", "heartbeat_s",
                  "logprobs", "max_automaton_bytes"},
-    "model-peer": {"log_format", "tokens_per_s", "step_s", "batch", "max_automaton_bytes"},
+    "model-peer": {"log_format", "tokens_per_s", "step_s", "batch"},
 }
 
 

@@ -9,7 +9,7 @@ NumPy reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -26,6 +26,9 @@ from dpu_frontend.model.sampling import (
     fmix32,
 )
 from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:  # it imports this module's to_device
+    from dpu_frontend.model.layers.constrain import DeviceAutomata
 
 
 @dataclass
@@ -138,17 +141,24 @@ class Sampler:
         self.vocab_limit = vocab_limit
 
     def step(self, logits: torch.Tensor, params: BatchParams, slots: torch.Tensor,
-             positions: torch.Tensor, state: SlotTokens, top_logprobs: int) -> Drawn:
+             positions: torch.Tensor, state: SlotTokens, top_logprobs: int,
+             automata: DeviceAutomata | None = None) -> Drawn:
         """One step's draws: row ``i`` of ``logits`` is the sequence in slot ``slots[i]``,
         whose token goes to ``positions[i]`` of its row of ``state.tokens``. The eager
         runner and the GPU scheduler's captured sampler graphs both run this, so a token
         is drawn by the same operations either way. ``top_logprobs`` >= 0: the log
-        probabilities too, with that many alternatives."""
+        probabilities too, with that many alternatives (the model's: before the
+        constraint's mask, the penalties and the temperature). ``automata``: where the
+        constrained rows' automata are (``layers.constrain``), walked here."""
         if 0 < self.vocab_limit < logits.shape[1]:
             # Padding rows of the embedding are no token: never drawn, no probability.
             logits[:, self.vocab_limit:] = float("-inf")
-        penalized = self.penalize(logits, params, slots, state.counts, state.in_prompt)
+        walk = automata if automata is not None and params.host.any_constrained else None
+        allowed = walk.mask(logits, slots) if walk is not None else logits
+        penalized = self.penalize(allowed, params, slots, state.counts, state.in_prompt)
         tokens = self.draw(penalized, params)
+        if walk is not None:
+            walk.advance(tokens, slots)
         state.tokens[slots, positions] = tokens
         state.counts[slots, tokens] += 1
         if top_logprobs < 0:
