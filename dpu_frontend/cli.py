@@ -47,7 +47,7 @@ log = logging.getLogger("dpu_frontend")
 REFERENCE_PACE = frozenset({"tokens_per_s", "step_s", "batch"})
 PEER = Flags(PeerConfig(geometry=REFERENCE_GEOMETRY))
 #: The model peer's rings take structured output as the reference peer's do (its
-#: sampler walks the automata on the GPU; with --scheduler gpu, not yet).
+#: sampler walks the automata on the GPU, with either scheduler).
 MODEL_PEER = Flags(PeerConfig(geometry=REFERENCE_GEOMETRY), omit=REFERENCE_PACE)
 MODEL_OPTIONS = Flags(ModelPeerOptions())
 #: The peers log text lines, at this level.

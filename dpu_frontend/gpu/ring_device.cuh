@@ -128,6 +128,10 @@ DPUF_REQ_WORD(REQ_LOGPROBS, top_logprobs);
 DPUF_REQ_WORD(REQ_AUTOMATON, automaton_bytes);
 #undef DPUF_REQ_WORD
 
+/* Where a constrained request's automaton starts in the arena, from its
+ * prompt's start: the prompt rounded up to 128 bytes (protocol 5.4). */
+__device__ __forceinline__ uint64_t automaton_offset(uint32_t prompt_len) { return dpuf_align(4ull * prompt_len); }
+
 /* One thread: read and check record `seq` of channel `d` into words[0..31];
  * V_NONE while it is not committed. */
 __device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc *d, uint32_t epoch, uint64_t seq,
@@ -165,8 +169,18 @@ __device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc 
     if (prompt_len > d->max_prompt_tokens) return V_BAD;
     /* An automaton on a channel that does not walk them (minor 2): refused, never
      * served as if unconstrained. */
-    if (((words[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED) != 0 || words[REQ_AUTOMATON] != 0)
-        && (d->features & DPUF_FEATURE_CONSTRAINTS) == 0) return V_BAD;
+    const bool constrained = (words[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED) != 0;
+    const uint32_t automaton = words[REQ_AUTOMATON];
+    if ((constrained || automaton != 0) && (d->features & DPUF_FEATURE_CONSTRAINTS) == 0) return V_BAD;
+    if (constrained) {
+        /* Its span after the prompt's, within the arena and the channel's bound
+         * (its contents are the walker's to check: automaton_at). */
+        const uint64_t at = arena_off + automaton_offset(prompt_len);
+        if (automaton < DPUF_AUTOMATON_HEADER_SIZE || automaton % 4u != 0 || automaton > d->max_automaton_bytes ||
+            at > d->arena_size || automaton > d->arena_size - at) return V_BAD;
+    } else if (automaton != 0) {
+        return V_BAD;
+    }
     return V_GENERATE;
 }
 

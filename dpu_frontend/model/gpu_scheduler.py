@@ -3,7 +3,7 @@
 The host-driven peer (``--scheduler host``, ``dpu_frontend.model.peer``) reads
 the request ring, schedules and launches every step from Python. Here the
 host loads the model, captures the step graphs (``graphs.StepGraphs``) and,
-per step graph, the sampler in four variants (``SamplerGraphs``), hands all
+per step graph, the sampler in five variants (``SamplerGraphs``), hands all
 of it to ``libdpuf_sched.so`` (``dpu_frontend/model/device/scheduler.cu``) and
 launches its persistent scheduler once. From then on the GPU takes the
 requests from the ring, batches them (the same algorithm as
@@ -18,7 +18,11 @@ The variants exist because the host path skips sampler stages a batch does
 not need; a captured graph cannot. Each stage leaves a row with neutral
 parameters bit for bit as it was, so the scheduler picks the cheapest
 variant that covers the batch and every row draws the token the host path
-would draw.
+would draw. A batch with a constrained row (structured output) takes the
+``constrained`` variant: every stage, the log probabilities, and the mask and
+state step of ``layers.constrain`` over the runner's automata, which the
+scheduler copies out of the arena into the runner's pool (one copy per
+constraint, checked on the GPU before it is walked).
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ log = logging.getLogger("dpu_frontend.model")
 
 #: What the sampler graphs hold at most at once, in [rows, vocab] tensors of 8 bytes: an
 #: estimate from the full variant's stages (its two sorts' values and indices, the
-#: masks, the draw's hash words), not a measurement.
-SAMPLER_TEMPORARIES = 12
+#: masks, the draw's hash words) and the constrained variant's masked copy of the
+#: logits, not a measurement.
+SAMPLER_TEMPORARIES = 13
 
 
 def sampler_reserve(runner: ModelRunner) -> int:
@@ -94,8 +99,10 @@ class SamplerGraphs:
         params = BatchParams(temperature=f[0], top_p=f[1], min_p=f[2], presence=f[3],
                              frequency=f[4], repetition=f[5], top_k=i[0], seed=i[1], step=i[2],
                              host=SamplingRows.stages_of(variant, logits.shape[1]))
+        logprobs = variant in ("logprobs", "constrained")
         drawn = runner.sampler.step(logits, params, self.row_slot[:n], self.row_pos[:n],
-                                    runner.slots, MAX_TOP_LOGPROBS if variant == "logprobs" else -1)
+                                    runner.slots, MAX_TOP_LOGPROBS if logprobs else -1,
+                                    runner.automata if variant == "constrained" else None)
         self.out_tokens[:n].copy_(drawn.tokens)
         if drawn.logprob is not None and drawn.top_ids is not None and drawn.top_logprobs is not None:
             self.out_logprob[:n].copy_(drawn.logprob)
@@ -103,7 +110,7 @@ class SamplerGraphs:
             self.out_top_logprobs[:n].copy_(drawn.top_logprobs)
 
     def capture(self, steps: list[StepGraph], pool: object) -> None:
-        """Four graphs per step graph, sharing ``pool``; largest first."""
+        """A graph per variant per step graph, sharing ``pool``; largest first."""
         order = sorted(range(len(steps)), key=lambda g: -steps[g].logits.shape[0])
         graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         for g in order:
@@ -160,7 +167,7 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
         if not self.samplers.graphs:
             self.capture()
         runner, o, s = self.runner, self.runner.options, self.samplers
-        c = runner.config
+        c, automata = runner.config, runner.automata
         header = layout.encode()
         descs = ctypes.create_string_buffer(header[HEADER_SIZE:], CHANNEL_SIZE * len(layout.channels))
         self._keep.append(descs)
@@ -175,14 +182,17 @@ class GpuSchedulerKernel(PersistentKernel[SchedulerLibrary]):
             region_host=region_host, region_size=layout.region_size,
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),
             eos_count=len(eos), eos=(ctypes.c_uint32 * MAX_EOS)(*eos, *[0] * (MAX_EOS - len(eos))),
-            device=o.device, vocab=c.vocab_size, heartbeat_ns=self.heartbeat_ns,
+            # The tokenizer's ids: what a prompt may hold and what the automata are over.
+            device=o.device, vocab=o.vocab_limit or c.vocab_size, heartbeat_ns=self.heartbeat_ns,
             idle_ns=self.idle_ns, sched=sched, tokens=runner.slots.tokens.data_ptr(),
             counts=runner.slots.counts.data_ptr(), in_prompt=runner.slots.in_prompt.data_ptr(),
             vocab_rows=c.vocab_size, rows_stride=s.rows, row_slot=s.row_slot.data_ptr(),
             row_pos=s.row_pos.data_ptr(), row_floats=s.row_floats.data_ptr(),
             row_ints=s.row_ints.data_ptr(), out_tokens=s.out_tokens.data_ptr(),
             out_logprob=s.out_logprob.data_ptr(), out_top_ids=s.out_top_ids.data_ptr(),
-            out_top_logprobs=s.out_top_logprobs.data_ptr())
+            out_top_logprobs=s.out_top_logprobs.data_ptr(),
+            automata=automata.pool.data_ptr(), automata_words=automata.words,
+            automaton_meta=automata.meta.data_ptr(), automaton_state=automata.state.data_ptr())
 
     def _created(self, lib: SchedulerLibrary, handle: int, layout: Layout) -> None:
         """The step graphs, each with its sampler variants, instantiated for device launch."""

@@ -206,15 +206,17 @@ class SamplingRows:
         GPU scheduler's sampler graphs are captured through them)."""
         if variant not in VARIANTS:
             raise ValueError(f"no sampler variant {variant!r}")
-        full = variant in ("full", "logprobs")
+        full = variant in ("full", "logprobs", "constrained")
         return cls(np.zeros((6, 0), np.float32), np.zeros((3, 0), np.int64),
                    top_k_max=vocab_size if full else 0, any_top_k=full, any_top_p=full,
-                   any_min_p=full, any_penalty=full, all_greedy=variant == "greedy")
+                   any_min_p=full, any_penalty=full, all_greedy=variant == "greedy",
+                   any_constrained=variant == "constrained")
 
     def variant(self, logprobs: bool) -> str:
         """The GPU scheduler's variant for these rows (``sampling.variant_of``)."""
         return VARIANTS[variant_of(self.all_greedy, self.any_penalty,
-                                   self.any_top_k or self.any_top_p or self.any_min_p, logprobs)]
+                                   self.any_top_k or self.any_top_p or self.any_min_p, logprobs,
+                                   self.any_constrained)]
 
     @classmethod
     def from_params(cls, rows: list[tuple[SamplingParams, int, int]], vocab_size: int) -> SamplingRows:

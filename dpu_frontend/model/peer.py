@@ -92,17 +92,14 @@ async def run_model_peer(peer: PeerConfig, options: ModelPeerOptions) -> int:
 
 
 def structured_output(peer: PeerConfig, options: ModelPeerOptions) -> PeerConfig:
-    """The rings' structured output (FEATURE_CONSTRAINTS): offered by the host-driven
-    engine, whose sampler walks the automata, within its automaton pool; not yet by
-    ``--scheduler gpu`` (its rings then refuse constrained requests, and the daemon
-    answers them 400)."""
+    """The rings' structured output (FEATURE_CONSTRAINTS): the sampler walks the
+    automata (either scheduler), each within the automaton pool; off without one."""
     geometry = peer.geometry
     if not geometry.max_automaton_bytes:
         return peer
     pool = options.runner.automaton_pool_bytes
-    if options.scheduler == "gpu" or not pool:
-        log.info("structured output is off: %s", "the GPU scheduler does not walk automata yet"
-                 if options.scheduler == "gpu" else "--automaton-pool-bytes 0")
+    if not pool:
+        log.info("structured output is off: --automaton-pool-bytes 0")
         return replace(peer, geometry=replace(geometry, max_automaton_bytes=0))
     if geometry.max_automaton_bytes > pool:
         raise StartupError(f"--max-automaton-bytes {geometry.max_automaton_bytes} is more than "

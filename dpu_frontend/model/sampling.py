@@ -160,13 +160,18 @@ def row_cut(top_k: I64, top_p: F32, min_p: F32) -> B:
 #: The GPU scheduler's sampler graphs, cheapest first (scheduler.h's DPUF_SAMPLER_*).
 #: greedy: argmax; plain: temperature and the draw; full: penalties and every cut too;
 #: logprobs: full and the log probabilities.
-VARIANTS = ("greedy", "plain", "full", "logprobs")
+VARIANTS = ("greedy", "plain", "full", "logprobs", "constrained")
 
 
-def variant_of(all_greedy: bool, any_penalty: bool, any_cut: bool, any_logprobs: bool) -> int:
+def variant_of(all_greedy: bool, any_penalty: bool, any_cut: bool, any_logprobs: bool,
+               any_constrained: bool = False) -> int:
     """The cheapest variant whose stages cover a batch with these facts (an index of
     ``VARIANTS``). Each stage leaves a row with neutral parameters bit for bit as it
-    was, so any covering variant draws every row's token as the host path does."""
+    was, so any covering variant draws every row's token as the host path does.
+    ``constrained`` is ``logprobs`` with structured output's mask and state step (an
+    unconstrained row passes through them unchanged)."""
+    if any_constrained:
+        return VARIANTS.index("constrained")
     if any_logprobs:
         return VARIANTS.index("logprobs")
     if any_penalty or any_cut:

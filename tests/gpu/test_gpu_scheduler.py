@@ -22,7 +22,14 @@ import pytest
 from dpu_frontend.config import ServeConfig
 from dpu_frontend.control.stats import peer_report
 from dpu_frontend.engine.session import PeerSession
+from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.engine import ModelEngine
+from dpu_frontend.ring.automaton import (
+    CheckedAutomaton,
+    Constraint,
+    build_automaton,
+    encode_automaton,
+)
 from dpu_frontend.ring.records import FinishReason, ResponseRecord, SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
@@ -180,13 +187,15 @@ def test_sigterm_stops_the_scheduler() -> None:
 
 async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) -> None:
     """A raw client on a second channel writes what a daemon never does: a record of an
-    unknown kind, one flagged CONSTRAINED (the model peer walks no automaton yet) and a
-    second GENERATE with a running request's id are counted bad and skipped, a prompt
+    unknown kind, one flagged CONSTRAINED on rings that offer no automata
+    (--max-automaton-bytes 0) and a second GENERATE with a running request's id are
+    counted bad and skipped, a prompt
     holding an id past the vocabulary ends with an error record (the request fails
     alone), and a request after them is answered as the host engine answers it. The
     scheduler's intake (the ring's shared walk) takes each in turn."""
     with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
-                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
+                       peer_args=(*SMALL_KV, "--channels", "2", "--max-automaton-bytes", "0")
+                       ) as stack:
         address = stack.peer_address()
         session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
                                             address)
@@ -226,3 +235,75 @@ async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) ->
     print("unknown kind, a constrained record and duplicate id counted bad, an id past the "
           "vocabulary refused with an error record, the requests around them served as the "
           "host engine")
+
+
+def choice_automaton(key: int) -> tuple[CheckedAutomaton, bytes]:
+    """One of three token sequences, then the model's EOS; encoded with ``key``."""
+    eos = ModelConfig.default().eos_token_ids[0]
+    vocab = Vocabulary.load(default_tokenizer_dir()).tokenizer.get_vocab_size()
+    transitions = {0: {1000: 1, 4000: 3}, 1: {2000: 2, 2500: 2}, 2: {eos: 2},
+                   3: {4100: 4}, 4: {4200: 2}}
+    a = build_automaton(transitions, 0, vocab, eos)
+    return CheckedAutomaton.of(a), encode_automaton(a, key=key)
+
+
+async def test_automata_on_a_raw_channel(offline: ModelEngine) -> None:
+    """Structured output inside the GPU: a constrained request's automaton copied out of
+    the arena, checked and walked by the sampler graphs, gives the host engine's tokens
+    for the same automaton; a second request of the same key walks the same copy; one
+    whose automaton fails a check (a next state out of range) ends with an error record
+    and is counted bad; an unconstrained request beside them is untouched."""
+    checked, encoded = choice_automaton(key=7)
+    broken = bytearray(encode_automaton(checked.automaton, key=8))
+    states = checked.automaton.states
+    # The first list_next word (after the header, list_start [S + 1], list_tokens [L]).
+    at = 64 + 4 * (states + 1 + len(checked.automaton.list_tokens))
+    broken[at:at + 4] = (states + 5).to_bytes(4, "little")
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
+        address = stack.peer_address()
+        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
+                                            address)
+        try:
+            before = await report(stack)
+            params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                      SamplingParams(max_tokens=12, temperature=0.9, seed=3)]
+            session.channel.submit(1, [11, 12, 13], params[0], Constraint(encoded))
+            session.channel.submit(2, [21, 22], params[1], Constraint(encoded))
+            session.channel.submit(3, [31, 32], params[0], Constraint(bytes(broken)))
+            plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+            session.channel.submit(4, [41, 42, 43], plain)
+            seen: list[ResponseRecord] = []
+            for request in (1, 2, 3, 4):
+                if not any(r.request_id == request and r.final for r in seen):
+                    seen += await poll_until_final(session, request, limit=120)
+            after = await report(stack)
+        finally:
+            await session.close()
+
+    def answer(request: int) -> tuple[list[int], FinishReason]:
+        mine = [r for r in seen if r.request_id == request]
+        return [t for r in mine for t in r.tokens], mine[-1].finish
+
+    for request, prompt, p in ((1, [11, 12, 13], params[0]), (2, [21, 22], params[1])):
+        offline.add(0, prompt, p, automaton=checked)
+        want: list[int] = []
+        finish = FinishReason.NONE
+        while not offline.idle:
+            for ev in offline.step():
+                want += [] if ev.token is None else [ev.token]
+                finish = ev.finish
+        tokens, end = answer(request)
+        assert (tokens, end) == (want, finish), request
+        assert end is FinishReason.STOP and checked.automaton.walk(tokens) is not None
+    assert answer(3) == ([], FinishReason.ERROR)
+    assert answer(4)[0] == offline.generate([[41, 42, 43]], [plain])[0].tokens
+    was, now = before["kernel"], after["kernel"]
+    assert now["automata_copied"] == was["automata_copied"] + 1  # one copy for two requests
+    assert now["constrained"] == was["constrained"] + 2
+    assert now["automata_refused"] == was["automata_refused"] + 1
+    mine = session.channel_index
+    assert after["channels"][mine]["bad_records"] == before["channels"][mine]["bad_records"] + 1
+    print(f"GPU scheduler: a choice automaton walked inside the GPU ({answer(1)[0]}, "
+          f"{answer(2)[0]}), the host engine's tokens; one copy for two requests; a broken "
+          "automaton refused with an error record")

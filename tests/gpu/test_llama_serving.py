@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 import torch
-from openai import BadRequestError, OpenAI
+from openai import OpenAI
 
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import smollm2_gguf, smollm2_tokenizer
+from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
 from tests.gpu.test_llama import (
     QUESTIONS,
     SMALL_LLAMA,
@@ -69,9 +70,8 @@ CITY_SCHEMA = {"type": "object",
 
 
 def test_smollm2_answers_within_a_json_schema(smollm2_stack: Stack) -> None:
-    """A real model's answer held to a JSON schema by the automaton walked on the GPU
-    (host scheduler): valid JSON with the schema's keys, streamed as unstreamed. The GPU
-    scheduler does not walk automata yet: 400."""
+    """A real model's answer held to JSON schemas by the automata walked on the GPU
+    (either scheduler): valid JSON that satisfies its schema, streamed as unstreamed."""
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY_SCHEMA,
                                                     "strict": True}}
     kw: Any = {"model": MODEL, "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
@@ -79,10 +79,6 @@ def test_smollm2_answers_within_a_json_schema(smollm2_stack: Stack) -> None:
                "messages": [{"role": "user", "content": "What is the capital of France? Answer "
                                                         "in JSON with the keys city and country."}]}
     with client(smollm2_stack) as c:
-        if smollm2_stack.extra["scheduler"] == "gpu":
-            with pytest.raises(BadRequestError, match="structured output"):
-                c.chat.completions.create(**kw)
-            return
         full = c.chat.completions.create(**kw)
         streamed = "".join(ch.choices[0].delta.content or "" for ch in
                            c.chat.completions.create(stream=True, **kw) if ch.choices)
@@ -90,7 +86,22 @@ def test_smollm2_answers_within_a_json_schema(smollm2_stack: Stack) -> None:
     assert streamed == text and full.choices[0].finish_reason == "stop", (text, streamed)
     answer = json.loads(text)
     assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
-    print(f"SmolLM2 within a JSON schema (walked on the GPU): {text!r}")
+    print(f"SmolLM2 within a JSON schema ({smollm2_stack.extra['scheduler']} scheduler): "
+          f"{text!r}")
+    with client(smollm2_stack) as c:
+        for name, schema, satisfies in (("person", PERSON, satisfies_person),
+                                        ("order", ORDER, satisfies_order)):
+            kw["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": name, "schema": schema}}
+            kw["messages"] = [{"role": "user", "content": f"Make up a {name}, as JSON."}]
+            kw["max_tokens"] = 400
+            full = c.chat.completions.create(**kw)
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                               c.chat.completions.create(stream=True, **kw) if ch.choices)
+            text = full.choices[0].message.content or ""
+            assert full.choices[0].finish_reason == "stop" and streamed == text, text
+            assert satisfies(json.loads(text)), text
+            print(f"SmolLM2, {name} schema: {text!r}")
 
 
 def test_smollm2_answers_through_the_daemon(smollm2_stack: Stack, smollm2_reference: Any,

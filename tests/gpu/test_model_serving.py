@@ -9,14 +9,16 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import OpenAI
 
 from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.ring.records import SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
+from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -148,9 +150,8 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no
 
 def test_structured_output_through_the_daemon(model_stack: Stack) -> None:
     """``response_format`` json_schema (chat) and ``guided_regex`` (completions), streamed
-    and not: the engine walks the automata on the GPU, so even random weights answer
-    within them. The GPU scheduler does not walk them yet: its rings offer no
-    constraints, and the daemon answers 400."""
+    and not: the sampler walks the automata on the GPU (with the GPU scheduler, its
+    constrained sampler graphs), so even random weights answer within them."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA,
                                                     "strict": True}}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Is the ring full?"}],
@@ -158,10 +159,6 @@ def test_structured_output_through_the_daemon(model_stack: Stack) -> None:
     regex = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0.0,
              "extra_body": {"guided_regex": "[0-9]{3}-[a-z]{2}"}}
     with client(model_stack) as c:
-        if model_stack.extra.get("peer") == "gpu-scheduler":
-            with pytest.raises(BadRequestError, match="structured output"):
-                c.chat.completions.create(**chat)  # type: ignore[call-overload]
-            return
         full = c.chat.completions.create(**chat)  # type: ignore[call-overload]
         streamed = "".join(ch.choices[0].delta.content or "" for ch in
                            c.chat.completions.create(stream=True, **chat)  # type: ignore[call-overload]
@@ -174,6 +171,29 @@ def test_structured_output_through_the_daemon(model_stack: Stack) -> None:
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", code.choices[0].text), code.choices[0].text
     print(f"structured output through the daemon, walked on the GPU: {content!r} (json_schema, "
           f"streamed the same), {code.choices[0].text!r} (guided_regex)")
+
+
+@pytest.mark.parametrize("name", ["person", "order"])
+def test_schemas_of_increasing_difficulty_through_the_daemon(model_stack: Stack,
+                                                             name: str) -> None:
+    """The structured-output tests' schemas (an enum, bounded strings and arrays; nested
+    objects, a pattern, anyOf with null: automata of 13 and 30 MB): with random weights,
+    every answer ends, parses and satisfies its schema, streamed as unstreamed."""
+    schema, satisfies = {"person": (PERSON, satisfies_person),
+                         "order": (ORDER, satisfies_order)}[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    with client(model_stack) as c:
+        for seed in (1, 2):
+            kw: Any = {"model": MODEL, "max_tokens": 600, "temperature": 0.8, "seed": seed,
+                       "response_format": fmt,
+                       "messages": [{"role": "user", "content": f"A {name}, as JSON."}]}
+            full = c.chat.completions.create(**kw)
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                               c.chat.completions.create(stream=True, **kw) if ch.choices)
+            text = full.choices[0].message.content or ""
+            assert full.choices[0].finish_reason == "stop" and streamed == text, text
+            assert satisfies(json.loads(text)), text
+            print(f"{name}, seed {seed}: {text!r}")
 
 
 def test_many_streams_and_disconnects_end_cleanly(model_stack: Stack) -> None:

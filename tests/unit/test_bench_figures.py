@@ -223,10 +223,14 @@ def test_only_numbers_are_counters() -> None:
                            "flag": True}) == {"steps": 3, "gpu_s": 0.75, "new": 7}
 
 
-def test_the_stats_mirror_ends_with_context_tokens() -> None:
-    """Added at the end: every earlier offset stays (test_c_header holds all of them)."""
-    assert ModelStats._fields_[-1] == ("context_tokens", ctypes.c_uint64)
-    assert ModelStats.context_tokens.offset == 176 and ctypes.sizeof(ModelStats) == 184
+def test_the_stats_mirror_ends_with_the_automata_counters() -> None:
+    """Added at the end (test_c_header holds every offset against the header): the
+    context tokens, then structured output's counters; the variants' array before them
+    has five entries (the constrained sampler graphs)."""
+    assert [name for name, _ in ModelStats._fields_[-5:]] == [
+        "context_tokens", "constrained", "automata_copied", "automata_evicted",
+        "automata_refused"]
+    assert ModelStats.context_tokens.offset == 184 and ctypes.sizeof(ModelStats) == 224
 
 
 def test_the_serving_benchmark_hands_its_config_and_scheduler_to_the_peer(

@@ -330,8 +330,9 @@ def test_the_sampler_rules_are_the_same_in_c_and_python(tmp_path: Path) -> None:
         "#include <stdio.h>", "#include <string.h>", '#include "scheduler.h"', "int main(void) {",
         "float below = DPUF_GREEDY_BELOW; unsigned int bits; memcpy(&bits, &below, 4);",
         'printf("%08x\\n", bits);',
-        "for (int f = 0; f < 16; f++)",
-        '    printf("%u\\n", (unsigned)DPUF_SAMPLER_VARIANT(f & 1, f >> 1 & 1, f >> 2 & 1, f >> 3 & 1));',
+        "for (int f = 0; f < 32; f++)",
+        '    printf("%u\\n", (unsigned)DPUF_SAMPLER_VARIANT(f & 1, f >> 1 & 1, f >> 2 & 1, f >> 3 & 1,'
+        ' f >> 4 & 1));',
         rows, "return 0; }"])
     source, binary = tmp_path / "rules.c", tmp_path / "rules"
     source.write_text(program)
@@ -339,15 +340,16 @@ def test_the_sampler_rules_are_the_same_in_c_and_python(tmp_path: Path) -> None:
                     *(f"-I{d}" for d in SCHEDULER.dirs), str(source), "-o", str(binary)], check=True)
     out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
     assert out[0] == np.float32(sampling.GREEDY_BELOW).view(np.uint32).item().to_bytes(4, "big").hex()
-    for f in range(16):
-        facts = (bool(f & 1), bool(f >> 1 & 1), bool(f >> 2 & 1), bool(f >> 3 & 1))
+    for f in range(32):
+        facts = (bool(f & 1), bool(f >> 1 & 1), bool(f >> 2 & 1), bool(f >> 3 & 1),
+                 bool(f >> 4 & 1))
         assert int(out[1 + f]) == sampling.variant_of(*facts), facts
     for i, (t, p, m, pr, fr, rep, k) in enumerate(RULE_ROWS):
         f32 = [np.array([x], np.float32) for x in (t, p, m, pr, fr, rep)]
         python = (int(sampling.row_greedy(f32[0])[0]),
                   int(sampling.row_penalized(f32[3], f32[4], f32[5])[0]),
                   int(sampling.row_cut(np.array([k], np.int64), f32[1], f32[2])[0]))
-        assert tuple(map(int, out[17 + i].split())) == python, RULE_ROWS[i]
+        assert tuple(map(int, out[33 + i].split())) == python, RULE_ROWS[i]
 
 
 @pytest.mark.parametrize(("binding", "sources", "header"), [

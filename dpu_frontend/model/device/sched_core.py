@@ -96,6 +96,10 @@ class ModelParams(ctypes.Structure):
         ("out_logprob", ctypes.c_void_p),
         ("out_top_ids", ctypes.c_void_p),
         ("out_top_logprobs", ctypes.c_void_p),
+        ("automata", ctypes.c_void_p),
+        ("automata_words", ctypes.c_uint64),
+        ("automaton_meta", ctypes.c_void_p),
+        ("automaton_state", ctypes.c_void_p),
     )
 
 
@@ -123,6 +127,10 @@ class ModelStats(ctypes.Structure):
         ("ns_idle", ctypes.c_uint64),
         ("ns_step", ctypes.c_uint64),
         ("context_tokens", ctypes.c_uint64),
+        ("constrained", ctypes.c_uint64),
+        ("automata_copied", ctypes.c_uint64),
+        ("automata_evicted", ctypes.c_uint64),
+        ("automata_refused", ctypes.c_uint64),
     )
 
 

@@ -12,8 +12,10 @@
  *       B. run the channels' mailbox commands (attach: a new epoch, rings
  *          reset; detach), dropping the channel's sequences;
  *       C. take the committed request records in: a GENERATE becomes a
- *          waiting sequence (its prompt copied out of the arena), a CANCEL
- *          retires its sequence with a cancelled record;
+ *          waiting sequence (its prompt copied out of the arena, and a
+ *          constrained one's automaton into the automata's pool, checked,
+ *          unless the pool holds it already), a CANCEL retires its sequence
+ *          with a cancelled record;
  *       D. schedule (sched_core.h), each channel's sampling sequences bound
  *          by the free slots of its response ring;
  *       E. load the admitted prompts into the runner's token buffer, write
@@ -61,7 +63,21 @@ struct entry_info {
     float f[6]; /* temperature, top_p, min_p, presence, frequency, repetition */
     int64_t top_k; /* 0: off */
     uint32_t penalized;
-    uint32_t pad;
+    int32_t automaton; /* structured output: its automaton_slot, -1: none */
+};
+
+/* Structured output: an automaton in the pool (the runner's DeviceAutomata,
+ * model/layers/constrain.py: its six arrays from word `base`), one per
+ * constraint (key and size: the protocol's "one key, one automaton"), counted
+ * by the sequences walking it; kept unused until its room is needed. */
+struct automaton_slot {
+    uint64_t key;
+    uint64_t base, words; /* its place in the pool, whole 128-byte lines */
+    uint64_t used_at;     /* ctl->passes when last taken: the least recent goes first */
+    uint32_t bytes;       /* its total_bytes */
+    uint32_t users;
+    uint32_t live;
+    uint32_t states, list_len, dense, eos;
 };
 
 /* The ring's state of a channel (ring_device.cuh: next request, mailbox ack,
@@ -75,6 +91,7 @@ struct sched_ctl {
     uint32_t started;
     uint64_t seeds;       /* draws of seeds for requests without one */
     uint64_t launched_at; /* when the last run launched its step (global timer, ns) */
+    uint64_t passes;      /* intake passes: the automata's clock */
 };
 
 struct sched_args {
@@ -118,6 +135,12 @@ struct sched_args {
     int32_t samples[DPUF_SCHED_MAX_GRAPHS]; /* sampler rows of each graph */
     cudaGraphExec_t forward[DPUF_SCHED_MAX_GRAPHS];
     cudaGraphExec_t sampler[DPUF_SCHED_MAX_GRAPHS][DPUF_MODEL_VARIANTS];
+    /* Structured output (dpuf_model_params). */
+    int32_t *apool;
+    uint64_t apool_words;
+    int64_t *ameta;  /* [max_seqs + 1][6]: base, states, list length, vocabulary, end token, on */
+    int64_t *astate; /* [max_seqs + 1] */
+    automaton_slot *autos; /* [DPUF_MODEL_MAX_AUTOMATA] */
 };
 
 /* The scheduler's timed phases (dpuf_model_stats.ns_*). */
@@ -128,6 +151,10 @@ struct sched_smem {
     ring_smem ring; /* a request record's or a mailbox command's */
     uint32_t stop, go;
     int32_t added; /* the entry sched_core gave a GENERATE */
+    int32_t automaton;   /* the automaton_slot a GENERATE took, -1: none or refused */
+    uint32_t auto_fresh; /* ... copied now: to check */
+    uint32_t auto_bad;   /* ... its header failed a check */
+    uint32_t auto_dense; /* ... its dense states, counted by the check */
     int32_t graph, variant;
     uint64_t t;     /* thread 0's clock of the phase timers */
     uint64_t ph[PH_COUNT]; /* this pass's phases so far */
@@ -148,7 +175,208 @@ __device__ uint64_t fresh_seed(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* ---- structured output's automata ------------------------------------------ */
+
+/* Where request wd's automaton lies in channel d's arena (ring_device.cuh's
+ * read_request checked the span). */
+__device__ __forceinline__ const uint8_t *automaton_at(const sched_args &a, const dpuf_channel_desc *d,
+                                                       const uint32_t *wd) {
+    return a.region + d->arena_offset + req_u64(wd, REQ_ARENA) + automaton_offset(wd[REQ_PROMPT_LEN]);
+}
+
+/* The pool words an automaton of `bytes` takes: its arrays, whole 128-byte lines. */
+__device__ __forceinline__ uint64_t automaton_words(uint32_t bytes) {
+    return ((uint64_t)(bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u + 31u) / 32u * 32u;
+}
+
+/* One thread: the 64-byte header, fresh (the arena span is rewritten for later
+ * requests). */
+__device__ void automaton_header(const uint8_t *at, uint32_t *h) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 v = __ldcv((const uint4 *)at + i);
+        h[4 * i] = v.x;
+        h[4 * i + 1] = v.y;
+        h[4 * i + 2] = v.z;
+        h[4 * i + 3] = v.w;
+    }
+}
+#define AUT_VOCAB 3
+#define AUT_EOS 4
+#define AUT_STATES 5
+#define AUT_LIST 6
+#define AUT_MASK_WORDS 7
+#define AUT_DENSE 8
+#define AUT_TOTAL 9
+#define AUT_KEY 10
+static_assert(offsetof(dpuf_automaton, vocab_size) == 4 * AUT_VOCAB && offsetof(dpuf_automaton, eos) == 4 * AUT_EOS &&
+                  offsetof(dpuf_automaton, states) == 4 * AUT_STATES &&
+                  offsetof(dpuf_automaton, list_len) == 4 * AUT_LIST &&
+                  offsetof(dpuf_automaton, mask_words) == 4 * AUT_MASK_WORDS &&
+                  offsetof(dpuf_automaton, dense_states) == 4 * AUT_DENSE &&
+                  offsetof(dpuf_automaton, total_bytes) == 4 * AUT_TOTAL && offsetof(dpuf_automaton, key) == 4 * AUT_KEY,
+              "the automaton header's words");
+
+/* Thread 0: the slot holding the automaton (key, bytes), -1: none. */
+__device__ int32_t automata_find(const sched_args &a, uint64_t key, uint32_t bytes) {
+    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++) {
+        const automaton_slot &t = a.autos[k];
+        if (t.live && t.key == key && t.bytes == bytes) return (int32_t)k;
+    }
+    return -1;
+}
+
+/* Thread 0: the lowest start of a free run of `words` pool words, UINT64_MAX:
+ * none (the candidates: the pool's start and the end of each copy). */
+__device__ uint64_t automata_fit(const sched_args &a, uint64_t words) {
+    uint64_t best = UINT64_MAX;
+    if (words > a.apool_words) return best;
+    for (int32_t c = -1; c < (int32_t)DPUF_MODEL_MAX_AUTOMATA; c++) {
+        if (c >= 0 && !a.autos[c].live) continue;
+        const uint64_t start = c < 0 ? 0 : a.autos[c].base + a.autos[c].words;
+        if (start >= best || start > a.apool_words - words) continue;
+        bool clear = true;
+        for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA && clear; k++) {
+            const automaton_slot &t = a.autos[k];
+            clear = !t.live || t.base >= start + words || start >= t.base + t.words;
+        }
+        if (clear) best = start;
+    }
+    return best;
+}
+
+/* Thread 0: a free slot of the table, -1: none. */
+__device__ int32_t automata_free_slot(const sched_args &a) {
+    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++)
+        if (!a.autos[k].live) return (int32_t)k;
+    return -1;
+}
+
+/* Thread 0: is there room for the automaton (key, bytes)? The pool holds it,
+ * or a slot and a run of words are free once unused copies are evicted (the
+ * least recently taken first). False: the request waits. */
+__device__ bool automata_room(const sched_args &a, uint64_t key, uint32_t bytes) {
+    if (automata_find(a, key, bytes) >= 0) return true;
+    const uint64_t words = automaton_words(bytes);
+    for (;;) {
+        if (automata_free_slot(a) >= 0 && automata_fit(a, words) != UINT64_MAX) return true;
+        int32_t victim = -1;
+        for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++) {
+            const automaton_slot &t = a.autos[k];
+            if (t.live && t.users == 0 && (victim < 0 || t.used_at < a.autos[victim].used_at)) victim = (int32_t)k;
+        }
+        if (victim < 0) return false;
+        a.autos[victim].live = 0;
+        a.stats->automata_evicted++;
+    }
+}
+
+/* Thread 0: the automaton of a GENERATE of channel d, its room judged
+ * (automata_room): the pool's copy, one more user, or, for an automaton the
+ * pool does not hold, its header checked and a place made (sm.auto_fresh: to
+ * copy and check). sm.auto_bad: the header fails a check. */
+__device__ void automata_take(const sched_args &a, const dpuf_channel_desc *d, const uint32_t *wd, sched_smem &sm) {
+    sm.automaton = -1;
+    sm.auto_fresh = sm.auto_bad = 0;
+    uint32_t h[16];
+    automaton_header(automaton_at(a, d, wd), h);
+    const uint32_t bytes = wd[REQ_AUTOMATON];
+    const uint64_t key = h[AUT_KEY] | (uint64_t)h[AUT_KEY + 1] << 32;
+    int32_t k = automata_find(a, key, bytes);
+    if (k < 0) {
+        const uint32_t vocab = a.vocab, mask_words = (vocab + 31u) / 32u;
+        const uint64_t S = h[AUT_STATES], L = h[AUT_LIST], D = h[AUT_DENSE];
+        const uint64_t need = DPUF_AUTOMATON_HEADER_SIZE + 4u * ((S + 1) + 2 * L + 2 * S + D * mask_words);
+        /* "DPUFAUT1", little-endian */
+        if (h[0] != 0x46555044u || h[1] != 0x31545541u || h[2] != DPUF_AUTOMATON_HEADER_SIZE || h[AUT_VOCAB] != vocab ||
+            h[AUT_MASK_WORDS] != mask_words || h[AUT_EOS] >= vocab || S < 1 || D > S || h[AUT_TOTAL] != bytes ||
+            need != bytes) {
+            sm.auto_bad = 1;
+            return;
+        }
+        const uint64_t words = automaton_words(bytes);
+        k = automata_free_slot(a);
+        const uint64_t base = k >= 0 ? automata_fit(a, words) : UINT64_MAX;
+        if (base == UINT64_MAX) { /* judged, so never: refused rather than trusted */
+            sm.auto_bad = 1;
+            return;
+        }
+        automaton_slot &t = a.autos[k];
+        t.key = key;
+        t.bytes = bytes;
+        t.base = base;
+        t.words = words;
+        t.users = 0;
+        t.live = 1;
+        t.states = (uint32_t)S;
+        t.list_len = (uint32_t)L;
+        t.dense = (uint32_t)D;
+        t.eos = h[AUT_EOS];
+        sm.auto_fresh = 1;
+    }
+    a.autos[k].users++;
+    a.autos[k].used_at = a.ctl->passes;
+    sm.automaton = k;
+}
+
+/* Is `i` where some state's list starts (list_start[s] == i)? A binary search:
+ * a list_start that is not ascending fails its own check anyway. */
+__device__ bool list_starts_at(const int32_t *list_start, int64_t states, int64_t i) {
+    int64_t lo = 0, hi = states;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (list_start[mid] < i) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo <= states && list_start[lo] == i;
+}
+
+/* All threads: does the copy in slot t fail a check of decode_automaton's
+ * (ring/automaton.py)? Each index within its array, each list ascending ids
+ * below the vocabulary, each dense state with a default and a whole bitmask
+ * of its own offset, D of them, every state allowing a token. (Not checked:
+ * two dense states sharing one bitmask, and bits past the vocabulary: the walk
+ * is the same either way.) */
+__device__ bool automaton_faulty(const sched_args &a, const automaton_slot &t, sched_smem &sm) {
+    const int32_t *w = a.apool + t.base;
+    const int64_t S = t.states, L = t.list_len, W = (a.vocab + 31u) / 32u;
+    const int32_t *list_start = w, *tokens = w + S + 1, *next = tokens + L, *dflt = next + L, *mask_at = dflt + S;
+    const uint32_t *masks = (const uint32_t *)(mask_at + S);
+    const uint32_t dense = t.dense;
+    bool bad = threadIdx.x == 0 && (list_start[0] != 0 || list_start[S] != L);
+    uint32_t seen_dense = 0;
+    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) bad |= list_start[s] > list_start[s + 1];
+    for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
+        bad |= tokens[i] < 0 || (uint32_t)tokens[i] >= a.vocab || next[i] < 0 || next[i] >= S;
+        if (i + 1 < L && tokens[i] >= tokens[i + 1]) bad |= !list_starts_at(list_start, S, i + 1);
+    }
+    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
+        const int32_t m = mask_at[s], d = dflt[s];
+        bool allows = list_start[s] < list_start[s + 1];
+        if (m == DPUF_AUTOMATON_NONE) {
+            bad |= d != DPUF_AUTOMATON_NONE;
+        } else if (m < 0 || m % W != 0 || m / W >= (int64_t)dense || d < 0 || d >= S) {
+            bad = true;
+        } else {
+            seen_dense++;
+            for (int64_t j = 0; j < W && !allows; j++) allows = masks[m + j] != 0;
+        }
+        bad |= !allows;
+    }
+    if (seen_dense) atomicAdd(&sm.auto_dense, seen_dense);
+    bad = __syncthreads_or(bad);
+    return bad || sm.auto_dense != dense;
+}
+
 /* ---- A. publish and retire ------------------------------------------------ */
+
+/* Thread 0: sequence e ends; its automaton has one user less. */
+__device__ void retire(const sched_args &a, int32_t e) {
+    entry_info *en = a.entries + e;
+    if (en->automaton >= 0) a.autos[en->automaton].users--;
+    en->automaton = -1;
+    dpuf_sched_finish(a.s, e);
+}
 
 __device__ void publish(const sched_args &a, writer_smem &wsm) {
     sched_ctl *ctl = a.ctl;
@@ -182,7 +410,7 @@ __device__ void publish(const sched_args &a, writer_smem &wsm) {
          * length): its blocks and slot go to the next step. */
         for (uint32_t i = 0; i < nr; i++) {
             const int64_t slot = a.rows[2 * i];
-            if (a.wslots[slot].state != SLOT_ACTIVE) dpuf_sched_finish(a.s, a.row_entry[i]);
+            if (a.wslots[slot].state != SLOT_ACTIVE) retire(a, a.row_entry[i]);
         }
         ctl->n_finals = ctl->n_arms = ctl->n_rows = 0;
         for (uint32_t c = 0; c < a.channel_count; c++) {
@@ -214,7 +442,7 @@ __device__ void drop_channel(const sched_args &a, uint32_t c) {
         for (int32_t e = 0; e < a.s->c.capacity; e++) {
             const int32_t status = a.s->seqs[e].status;
             if ((status == DPUF_SEQ_WAITING || status == DPUF_SEQ_RUNNING) && a.entries[e].channel == c)
-                dpuf_sched_finish(a.s, e);
+                retire(a, e);
         }
     }
     for (int32_t e = threadIdx.x; e < a.s->c.max_seqs; e += blockDim.x)
@@ -285,6 +513,16 @@ struct sched_intake {
         if (ring_room(a, c) <= 0 || a.ctl->n_finals >= a.max_finals) return V_NONE;
         if (verdict == V_GENERATE && (wd[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) && wd[REQ_LOGPROBS] > DPUF_MAX_TOP_LOGPROBS)
             return V_BAD;
+        if (verdict == V_GENERATE && (wd[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED)) {
+            /* Its automaton waits (and the records behind it) until the pool has
+             * room: automata in use leave it as their sequences end. One larger
+             * than the pool never fits (the layout's bound prevents it). */
+            const uint32_t bytes = wd[REQ_AUTOMATON];
+            if (automaton_words(bytes) > a.apool_words) return V_BAD;
+            uint32_t h[16];
+            automaton_header(automaton_at(a, a.channels + c, wd), h);
+            if (!automata_room(a, h[AUT_KEY] | (uint64_t)h[AUT_KEY + 1] << 32, bytes)) return V_NONE;
+        }
         return verdict;
     }
     __device__ int32_t entries() const { return a.s->c.capacity; }
@@ -302,6 +540,7 @@ struct sched_intake {
             const int32_t e = dpuf_sched_add(a.s, (int64_t)req_u64(wd, REQ_ID), (int32_t)wd[REQ_PROMPT_LEN],
                                              wd[REQ_MAX_TOKENS], (int32_t)c);
             sm.added = e >= 0 ? e : e == DPUF_SCHED_BAD_PROMPT ? INTAKE_REFUSED : INTAKE_NO_ROOM;
+            if (e >= 0) a.entries[e].automaton = -1;
         }
         __syncthreads();
         return sm.added;
@@ -315,20 +554,76 @@ struct sched_intake {
             for (uint32_t i = threadIdx.x; i < len; i += blockDim.x) bad_ids |= ids[i] >= a.vocab;
             bad_ids = __syncthreads_or(bad_ids);
         }
+        const bool constrained = (wd[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED) != 0;
+        const bool bad_automaton = e >= 0 && !bad_ids && constrained && !take_automaton(wd);
         if (threadIdx.x != 0) return false;
-        if (e >= 0 && bad_ids) dpuf_sched_finish(a.s, e);
-        if (e < 0 || bad_ids) { /* a prompt the model cannot take: the request fails alone */
+        bool refused = e < 0 || bad_ids || bad_automaton;
+        if (!refused) {
+            fill_entry(a, e, c, wd);
+            entry_info *en = a.entries + e;
+            en->automaton = constrained ? sm.automaton : -1;
+            if (constrained && !ends_at(en, a.autos[sm.automaton].eos)) {
+                retire(a, e); /* its automaton's user counted off */
+                refused = true;
+            }
+        } else if (e >= 0) {
+            dpuf_sched_finish(a.s, e);
+        }
+        if (refused) { /* a prompt or automaton the model cannot take: the request fails alone */
             const uint32_t flags = (wd[REQ_FLAGS] & DPUF_FLAG_LOGPROBS) ? DPUF_WRITER_LOGPROBS : 0u;
             queue_final(a, -1, c, req_u64(wd, REQ_ID), DPUF_FINISH_ERROR, flags);
             a.stats->refused++;
             return false;
         }
-        fill_entry(a, e, c, wd);
+        return true;
+    }
+    /* All threads: a constrained GENERATE's automaton (sm.automaton), copied out
+     * of the arena and checked if the pool did not hold it. False: it fails a
+     * check (counted bad; its place freed). */
+    __device__ bool take_automaton(const uint32_t *wd) const {
+        if (threadIdx.x == 0) {
+            automata_take(a, a.channels + c, wd, sm);
+            sm.auto_dense = 0;
+        }
+        __syncthreads();
+        bool bad = sm.auto_bad != 0;
+        if (!bad && sm.auto_fresh) {
+            const automaton_slot &t = a.autos[sm.automaton];
+            const uint32_t bytes = wd[REQ_AUTOMATON];
+            copy_prompt((const uint32_t *)(automaton_at(a, a.channels + c, wd) + DPUF_AUTOMATON_HEADER_SIZE),
+                        (uint32_t *)(a.apool + t.base), (bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u);
+            __syncthreads();
+            bad = automaton_faulty(a, t, sm);
+        }
+        if (threadIdx.x == 0 && bad) {
+            if (sm.automaton >= 0) a.autos[sm.automaton].live = 0; /* its only user */
+            sm.automaton = -1;
+            a.stats->automata_refused++;
+            a.chan[c].counters[CNT_BAD]++;
+        } else if (threadIdx.x == 0 && sm.auto_fresh) {
+            a.stats->automata_copied++;
+        }
+        __syncthreads();
+        return !bad;
+    }
+    /* Thread 0: the automaton's end token `eos` ends the sequence with STOP
+     * whatever ignore_eos says (protocol 5.4): an EOS of the model's is no
+     * longer ignored, another joins the stop ids. False: no room for it there. */
+    __device__ bool ends_at(entry_info *en, uint32_t eos) const {
+        for (uint32_t i = 0; i < a.eos_count; i++)
+            if (a.eos[i] == eos) {
+                en->flags &= ~DPUF_WRITER_IGNORE_EOS;
+                return true;
+            }
+        for (uint32_t i = 0; i < en->n_stop; i++)
+            if (en->stop[i] == eos) return true;
+        if (en->n_stop >= DPUF_MAX_STOP_TOKEN_IDS) return false;
+        en->stop[en->n_stop++] = eos;
         return true;
     }
     __device__ void cancel(int32_t e, const uint32_t *wd) const {
         queue_final(a, a.s->seqs[e].slot, c, req_u64(wd, REQ_ID), DPUF_FINISH_CANCELLED, a.entries[e].flags);
-        dpuf_sched_finish(a.s, e);
+        retire(a, e);
     }
 };
 
@@ -373,6 +668,24 @@ __device__ void load_admitted(const sched_args &a) {
             op[6] = en->n_stop;
             op[7] = 0;
             for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) op[8 + i] = en->stop[i];
+            if (a.apool_words) {
+                /* The slot's automaton for the sampler's mask and state step
+                 * (DeviceAutomata's meta row), walked from its start. */
+                int64_t *meta = a.ameta + (uint64_t)q->slot * 6u;
+                if (en->automaton >= 0) {
+                    const automaton_slot &t = a.autos[en->automaton];
+                    meta[0] = (int64_t)t.base;
+                    meta[1] = t.states;
+                    meta[2] = t.list_len;
+                    meta[3] = a.vocab;
+                    meta[4] = t.eos;
+                    meta[5] = 1;
+                    a.astate[q->slot] = 0;
+                    a.stats->constrained++;
+                } else {
+                    meta[5] = 0;
+                }
+            }
         }
         __syncthreads();
     }
@@ -395,7 +708,7 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     const dpuf_sched_seq *const seqs = s->seqs;
     const uint32_t stride = a.rows_stride;
     const int32_t n = s->n_works, padded = a.samples[graph], pad_slot = s->c.max_seqs;
-    bool greedy = true, penalty = false, cut = false, logprobs = false;
+    bool greedy = true, penalty = false, cut = false, logprobs = false, constrained = false;
     for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
         const dpuf_sched_work w = works[i];
         if (!w.sample) continue;
@@ -416,6 +729,7 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
         penalty |= en->penalized != 0;
         cut |= DPUF_ROW_CUT(en->top_k, en->f[1], en->f[2]);
         logprobs |= (en->flags & DPUF_WRITER_LOGPROBS) != 0;
+        constrained |= en->automaton >= 0;
     }
     const float neutral[6] = {0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 1.0f};
     for (int32_t r = sm.total.sample + threadIdx.x; r < padded; r += blockDim.x) {
@@ -428,7 +742,8 @@ __device__ int32_t build_rows(const sched_args &a, int32_t graph, const sched_sm
     penalty = __syncthreads_or(penalty);
     cut = __syncthreads_or(cut);
     logprobs = __syncthreads_or(logprobs);
-    return DPUF_SAMPLER_VARIANT(greedy, penalty, cut, logprobs);
+    constrained = __syncthreads_or(constrained);
+    return DPUF_SAMPLER_VARIANT(greedy, penalty, cut, logprobs, constrained);
 }
 
 /* All threads: the step ran (it will have, by the time anyone reads them).
@@ -519,6 +834,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
         __syncthreads();
         if (sm.stop) break;
         /* B, C. */
+        if (threadIdx.x == 0) a.ctl->passes++;
         for (uint32_t c = 0; c < a.channel_count; c++) run_mailbox(a, c, sm);
         for (uint32_t c = 0; c < a.channel_count; c++)
             if (a.chan[c].attached) intake(a, c, sm);
@@ -663,6 +979,14 @@ static bool validate(const dpuf_model_params *p) {
         return set_error("a runner or sampler buffer is missing"), false;
     if (p->rows_stride < (uint32_t)c->max_seqs || p->vocab == 0 || p->vocab > p->vocab_rows)
         return set_error("rows_stride below max_seqs, or vocab outside (0, vocab_rows]"), false;
+    if (p->automata != NULL && p->automata_words != 0 && (p->automaton_meta == NULL || p->automaton_state == NULL))
+        return set_error("an automata pool without its per-slot meta and state"), false;
+    for (uint32_t i = 0; i < p->channel_count; i++)
+        if ((p->channels[i].features & DPUF_FEATURE_CONSTRAINTS) &&
+            (p->automata == NULL || p->channels[i].max_automaton_bytes > 4 * p->automata_words))
+            return set_error("channel %u takes automata of %u bytes; the pool holds %llu", i,
+                             p->channels[i].max_automaton_bytes, (unsigned long long)(4 * p->automata_words)),
+                   false;
     for (uint32_t i = 0; i < p->channel_count; i++) {
         const dpuf_channel_desc *d = p->channels + i;
         if (d->resp_slot_size < DPUF_MIN_RESPONSE_SLOT_SIZE || d->resp_ring_offset > p->region_size ||
@@ -708,7 +1032,8 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
         device_alloc(m, &a->rows, 8 * DPUF_WRITER_ROW_WORDS * (size_t)c->max_seqs) ||
         device_alloc(m, &a->wstate, sizeof(dpuf_writer_channel) * n) ||
         device_alloc(m, &a->wslots, sizeof(writer_slot) * c->max_seqs) ||
-        device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)))
+        device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)) ||
+        device_alloc(m, &a->autos, sizeof(automaton_slot) * DPUF_MODEL_MAX_AUTOMATA))
         return -1;
     DPUF_CHECK(mailbox_area_alloc(n, &m->mbx_host, &dev));
     a->kblock = (dpuf_kernel_block *)dev;
@@ -736,6 +1061,10 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
     a->out_logprob = p->out_logprob;
     a->out_top_ids = p->out_top_ids;
     a->out_top_logprobs = p->out_top_logprobs;
+    a->apool = p->automata;
+    a->apool_words = p->automata ? p->automata_words : 0;
+    a->ameta = p->automaton_meta;
+    a->astate = p->automaton_state;
     memcpy(a->eos, p->eos, sizeof a->eos);
     a->eos_count = p->eos_count;
     a->idle_ns = p->idle_ns ? p->idle_ns : 2000u;

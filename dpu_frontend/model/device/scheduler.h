@@ -31,7 +31,9 @@ extern "C" {
 #endif
 
 #define DPUF_MODEL_MAX_EOS 8u
-#define DPUF_MODEL_VARIANTS 4u /* sampler graphs per step graph (DPUF_SAMPLER_*) */
+#define DPUF_MODEL_VARIANTS 5u /* sampler graphs per step graph (DPUF_SAMPLER_*) */
+/* Structured output's automata kept in GPU memory at once (one per constraint). */
+#define DPUF_MODEL_MAX_AUTOMATA 64u
 
 /* The sampler graph a step runs: the cheapest whose stages cover the batch.
  * Each stage leaves a row whose parameters are neutral bit for bit as it
@@ -40,6 +42,7 @@ extern "C" {
 #define DPUF_SAMPLER_PLAIN 1u    /* temperature only: no penalties, no top-k/top-p/min-p cut */
 #define DPUF_SAMPLER_FULL 2u     /* penalties and every cut */
 #define DPUF_SAMPLER_LOGPROBS 3u /* FULL and the log probabilities (DPUF_MAX_TOP_LOGPROBS wide) */
+#define DPUF_SAMPLER_CONSTRAINED 4u /* LOGPROBS and structured output's mask and state step */
 
 /* The sampler's rules, once for C (dpu_frontend.model.sampling holds the
  * Python side; CI evaluates both on every case). A temperature below
@@ -52,9 +55,10 @@ extern "C" {
     ((presence) != 0.0f || (frequency) != 0.0f || (repetition) != 1.0f)
 #define DPUF_ROW_CUT(top_k, top_p, min_p) ((top_k) != 0 || (top_p) < 1.0f || (min_p) > 0.0f)
 /* The cheapest variant whose stages cover a batch, from its rows' facts. */
-#define DPUF_SAMPLER_VARIANT(all_greedy, any_penalty, any_cut, any_logprobs)      \
-    ((any_logprobs) ? DPUF_SAMPLER_LOGPROBS                                       \
-     : ((any_penalty) || (any_cut)) ? DPUF_SAMPLER_FULL                           \
+#define DPUF_SAMPLER_VARIANT(all_greedy, any_penalty, any_cut, any_logprobs, any_constrained) \
+    ((any_constrained) ? DPUF_SAMPLER_CONSTRAINED                                            \
+     : (any_logprobs) ? DPUF_SAMPLER_LOGPROBS                                                \
+     : ((any_penalty) || (any_cut)) ? DPUF_SAMPLER_FULL                                      \
      : (all_greedy) ? DPUF_SAMPLER_GREEDY : DPUF_SAMPLER_PLAIN)
 
 typedef struct dpuf_model_params {
@@ -93,6 +97,14 @@ typedef struct dpuf_model_params {
     const float *out_logprob;           /* 192 */
     const int64_t *out_top_ids;         /* 200 */
     const float *out_top_logprobs;      /* 208 */
+    /* Structured output (the runner's DeviceAutomata, model/layers/constrain.py):
+     * the pool of automata the scheduler copies out of the arena, 32-bit words;
+     * per runner slot, [max_seqs + 1][6] int64 (base word, states, list length,
+     * vocabulary, end token, on) and the state. automata_words 0: none. */
+    int32_t *automata;                  /* 216 */
+    uint64_t automata_words;            /* 224 */
+    int64_t *automaton_meta;            /* 232 */
+    int64_t *automaton_state;           /* 240 */
 } dpuf_model_params;
 
 /* Counters of the scheduler, mirrored into pinned host memory every step. */
@@ -106,25 +118,32 @@ typedef struct dpuf_model_stats {
     uint64_t idle_polls;      /*  48 */
     uint64_t held;            /*  56 steps with a sequence held out for ring room */
     uint64_t variants[DPUF_MODEL_VARIANTS]; /* 64 steps per sampler graph */
-    uint64_t running;         /*  96 sequences running after the last step */
-    uint64_t waiting;         /* 104 */
-    uint64_t free_blocks;     /* 112 */
-    uint64_t error;           /* 120 DPUF_MODEL_ERR_* (sticky) */
+    uint64_t running;         /* 104 sequences running after the last step */
+    uint64_t waiting;         /* 112 */
+    uint64_t free_blocks;     /* 120 */
+    uint64_t error;           /* 128 DPUF_MODEL_ERR_* (sticky) */
     /* Where the time goes, ns of the GPU's clock: the scheduler's phases in
      * the passes that launched a step (A, publish and retire; B-C, mailbox and
      * intake; D, schedule; E, prepare and launch), its passes with nothing to
      * run (idle, sleeps included), and the step graphs themselves (from a
      * launch to the next run's start: forward, sampler, launch gaps). */
-    uint64_t ns_publish;      /* 128 */
-    uint64_t ns_intake;       /* 136 */
-    uint64_t ns_schedule;     /* 144 */
-    uint64_t ns_prepare;      /* 152 */
-    uint64_t ns_idle;         /* 160 */
-    uint64_t ns_step;         /* 168 */
+    uint64_t ns_publish;      /* 136 */
+    uint64_t ns_intake;       /* 144 */
+    uint64_t ns_schedule;     /* 152 */
+    uint64_t ns_prepare;      /* 160 */
+    uint64_t ns_idle;         /* 168 */
+    uint64_t ns_step;         /* 176 */
     /* KV positions the steps' attention read: each work's start + count, its
      * context and its own tokens, as the host engine's
      * EngineStats.context_tokens (with `steps`, a run's bandwidth bound). */
-    uint64_t context_tokens;  /* 176 */
+    uint64_t context_tokens;  /* 184 */
+    /* Structured output: sequences admitted with an automaton, automata copied
+     * out of the arena (and checked), evicted for room, and refused (a check
+     * failed: the request ended with an error record). */
+    uint64_t constrained;     /* 192 */
+    uint64_t automata_copied; /* 200 */
+    uint64_t automata_evicted; /* 208 */
+    uint64_t automata_refused; /* 216 */
 } dpuf_model_stats;
 
 /* dpuf_model_stats.error: what stopped the scheduler. */
