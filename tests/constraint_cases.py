@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 #: An enum, bounded strings and a bounded array.
 PERSON: dict[str, Any] = {"type": "object", "properties": {
@@ -49,3 +52,14 @@ def satisfies_order(value: Any) -> bool:
             and type(value["paid"]) is bool
             and (value.get("note") is None or (isinstance(value["note"], str)
                                                and len(value["note"]) <= 20)))
+
+
+def constrained_chat(client: OpenAI, kw: dict[str, Any]) -> str:
+    """A chat answer under a constraint (``kw``'s ``response_format``), asked whole and
+    streamed: the two the same, and ended by the constraint (finish stop). Its text."""
+    full = client.chat.completions.create(**kw)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       client.chat.completions.create(stream=True, **kw) if ch.choices)
+    text = full.choices[0].message.content or ""
+    assert full.choices[0].finish_reason == "stop" and streamed == text, (text, streamed)
+    return text

@@ -25,7 +25,13 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.text.chat_template import ChatTemplate
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.assets import smollm2_gguf, smollm2_tokenizer
-from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
+from tests.constraint_cases import (
+    ORDER,
+    PERSON,
+    constrained_chat,
+    satisfies_order,
+    satisfies_person,
+)
 from tests.gpu.test_llama import (
     QUESTIONS,
     SMALL_LLAMA,
@@ -79,11 +85,7 @@ def test_smollm2_answers_within_a_json_schema(smollm2_stack: Stack) -> None:
                "messages": [{"role": "user", "content": "What is the capital of France? Answer "
                                                         "in JSON with the keys city and country."}]}
     with client(smollm2_stack) as c:
-        full = c.chat.completions.create(**kw)
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in
-                           c.chat.completions.create(stream=True, **kw) if ch.choices)
-    text = full.choices[0].message.content or ""
-    assert streamed == text and full.choices[0].finish_reason == "stop", (text, streamed)
+        text = constrained_chat(c, kw)
     answer = json.loads(text)
     assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
     print(f"SmolLM2 within a JSON schema ({smollm2_stack.extra['scheduler']} scheduler): "
@@ -95,11 +97,7 @@ def test_smollm2_answers_within_a_json_schema(smollm2_stack: Stack) -> None:
                                      "json_schema": {"name": name, "schema": schema}}
             kw["messages"] = [{"role": "user", "content": f"Make up a {name}, as JSON."}]
             kw["max_tokens"] = 400
-            full = c.chat.completions.create(**kw)
-            streamed = "".join(ch.choices[0].delta.content or "" for ch in
-                               c.chat.completions.create(stream=True, **kw) if ch.choices)
-            text = full.choices[0].message.content or ""
-            assert full.choices[0].finish_reason == "stop" and streamed == text, text
+            text = constrained_chat(c, kw)
             assert satisfies(json.loads(text)), text
             print(f"SmolLM2, {name} schema: {text!r}")
 

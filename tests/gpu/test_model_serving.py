@@ -18,7 +18,13 @@ from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.ring.records import SamplingParams
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.tokenizer import Vocabulary
-from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
+from tests.constraint_cases import (
+    ORDER,
+    PERSON,
+    constrained_chat,
+    satisfies_order,
+    satisfies_person,
+)
 from tests.stack import MODEL, Stack, running_stack
 
 pytestmark = pytest.mark.gpu
@@ -159,13 +165,8 @@ def test_structured_output_through_the_daemon(model_stack: Stack) -> None:
     regex = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0.0,
              "extra_body": {"guided_regex": "[0-9]{3}-[a-z]{2}"}}
     with client(model_stack) as c:
-        full = c.chat.completions.create(**chat)  # type: ignore[call-overload]
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in
-                           c.chat.completions.create(stream=True, **chat)  # type: ignore[call-overload]
-                           if ch.choices)
+        content = constrained_chat(c, chat)
         code = c.completions.create(**regex)  # type: ignore[call-overload]
-    content = full.choices[0].message.content
-    assert full.choices[0].finish_reason == "stop" and streamed == content
     assert json.loads(content) in ({"answer": "yes"}, {"answer": "no"}), content
     assert code.choices[0].finish_reason == "stop"
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", code.choices[0].text), code.choices[0].text
@@ -187,11 +188,7 @@ def test_schemas_of_increasing_difficulty_through_the_daemon(model_stack: Stack,
             kw: Any = {"model": MODEL, "max_tokens": 600, "temperature": 0.8, "seed": seed,
                        "response_format": fmt,
                        "messages": [{"role": "user", "content": f"A {name}, as JSON."}]}
-            full = c.chat.completions.create(**kw)
-            streamed = "".join(ch.choices[0].delta.content or "" for ch in
-                               c.chat.completions.create(stream=True, **kw) if ch.choices)
-            text = full.choices[0].message.content or ""
-            assert full.choices[0].finish_reason == "stop" and streamed == text, text
+            text = constrained_chat(c, kw)
             assert satisfies(json.loads(text)), text
             print(f"{name}, seed {seed}: {text!r}")
 

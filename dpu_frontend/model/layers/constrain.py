@@ -42,14 +42,20 @@ LIST_BLOCK = 256
 
 
 @triton.jit
+def _automaton_of(meta, slot):
+    """Slot ``slot``'s meta row: base, states, list length, vocabulary, end token, on."""
+    row = meta + slot * 6
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 4), tl.load(row + 5))
+
+
+@triton.jit
 def _keep_listed(pool, meta, state, slots, keep, keep_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slots + row)
-    on = tl.load(meta + slot * 6 + 5)
+    base, states, _, _, _, on = _automaton_of(meta, slot)
     s = tl.load(state + slot)
     if (on != 0) & (s >= 0):
-        base = tl.load(meta + slot * 6)
-        states = tl.load(meta + slot * 6 + 1)
         lo = tl.load(pool + base + s).to(tl.int64)
         hi = tl.load(pool + base + s + 1).to(tl.int64)
         tokens = base + states + 1
@@ -68,13 +74,8 @@ def _mask(logits, out, n_vocab, logits_stride, out_stride, pool, meta, state, sl
     inside = t < n_vocab
     x = tl.load(logits + row * logits_stride + t, mask=inside, other=0.0)
     slot = tl.load(slots + row)
-    on = tl.load(meta + slot * 6 + 5)
+    base, states, list_len, vocab, eos, on = _automaton_of(meta, slot)
     if on != 0:
-        base = tl.load(meta + slot * 6)
-        states = tl.load(meta + slot * 6 + 1)
-        list_len = tl.load(meta + slot * 6 + 2)
-        vocab = tl.load(meta + slot * 6 + 3)
-        eos = tl.load(meta + slot * 6 + 4)
         s = tl.load(state + slot)
         kept = tl.load(keep + row * keep_stride + t, mask=inside, other=0)
         allowed = kept != 0
@@ -96,13 +97,9 @@ def _mask(logits, out, n_vocab, logits_stride, out_stride, pool, meta, state, sl
 def _advance(tokens, pool, meta, state, slots):
     row = tl.program_id(0)
     slot = tl.load(slots + row)
-    on = tl.load(meta + slot * 6 + 5)
+    base, states, list_len, vocab, _, on = _automaton_of(meta, slot)
     s = tl.load(state + slot)
     if (on != 0) & (s >= 0):
-        base = tl.load(meta + slot * 6)
-        states = tl.load(meta + slot * 6 + 1)
-        list_len = tl.load(meta + slot * 6 + 2)
-        vocab = tl.load(meta + slot * 6 + 3)
         token = tl.load(tokens + row).to(tl.int32)
         listed = base + states + 1
         lo = tl.load(pool + base + s).to(tl.int64)
