@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import mmap
 import sys
@@ -48,7 +47,7 @@ from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.text.constraints import Lru
 
 log = logging.getLogger("dpu_frontend.peer")
-#: Checked automata kept (by their bytes' digest) for the requests that bring them again.
+#: Checked automata kept (by their identity: key and size) for the requests that bring them again.
 AUTOMATA_CACHED = 16
 
 
@@ -240,7 +239,8 @@ class ReferenceKernel(PeerKernel):
     def _intake(self, channel: _Channel, now: float) -> None:
         ring, generator = channel.ring, channel.generator
         outbox = channel.outbox
-        for record, prompt, automaton in ring.poll_requests():
+        for taken in ring.poll_requests(self._cached):
+            record, prompt = taken.record, taken.prompt
             if isinstance(record, CancelRecord):
                 final = generator.cancel(record.request_id)
                 if final is not None:
@@ -254,8 +254,8 @@ class ReferenceKernel(PeerKernel):
                 # A duplicate id, a DPU that broke its sequence window, or one asking for
                 # log probabilities this channel does not offer.
                 ring.refuse()
-            elif automaton:
-                checked = self._checked(automaton)
+            elif taken.identity or taken.automaton:
+                checked = taken.checked or self._checked(taken.identity, taken.automaton)
                 if checked is None:
                     # An automaton that fails its checks: refused, and answered at once,
                     # so that its stream ends with an error instead of waiting.
@@ -266,19 +266,23 @@ class ReferenceKernel(PeerKernel):
             else:
                 generator.admit(record, prompt, now)
 
-    def _checked(self, encoded: bytes) -> CheckedAutomaton | None:
-        """The checked automaton of ``encoded``, from the cache where the same bytes came
-        before (one constraint, many requests); None, logged, if it fails a check."""
-        digest = hashlib.blake2b(encoded, digest_size=16).digest()
-        checked = self._automata.get(digest.hex())
-        if checked is not None:
-            return checked
+    def _cached(self, identity: bytes) -> CheckedAutomaton | None:
+        """The checked automaton kept under ``identity`` (one key, one automaton)."""
+        return self._automata.get(identity.hex())
+
+    def _checked(self, identity: bytes, encoded: bytes) -> CheckedAutomaton | None:
+        """``encoded`` checked, and kept under its ``identity`` for the requests that bring
+        it again (their bytes are then not read: ``GpuChannel.poll_requests``); None,
+        logged, if it fails a check (and nothing is kept)."""
+        cached = self._automata.get(identity.hex()) if identity else None
+        if cached is not None:
+            return cached
         try:
-            checked = CheckedAutomaton(decode_automaton(encoded, self._vocab_size), digest)
+            checked = CheckedAutomaton(decode_automaton(encoded, self._vocab_size), identity)
         except ProtocolError as exc:
             log.warning("constrained request refused: %s", exc)
             return None
-        return self._automata.put(digest.hex(), checked)
+        return self._automata.put(identity.hex(), checked)
 
     def _publish(self, channel: _Channel, now: float) -> None:
         ring, generator, outbox = channel.ring, channel.generator, channel.outbox

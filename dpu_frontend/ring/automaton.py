@@ -133,10 +133,11 @@ class TokenAutomaton:
 
 
 class CheckedAutomaton:
-    """A request's automaton that passed ``decode_automaton``'s checks, and the digest of
-    its bytes: what every sequence of one constraint shares on a GPU side (the
-    reference peers' walks, the engine's copy in GPU memory). Each state's distance to
-    the end (``distances``, the reference walk's) is computed when first asked."""
+    """A request's automaton that passed ``decode_automaton``'s checks, and what names it
+    (``digest``: its ``automaton_identity`` as it came off a ring): what every sequence
+    of one constraint shares on a GPU side (the reference peers' walks, the engine's
+    copy in GPU memory). Each state's distance to the end (``distances``, the reference
+    walk's) is computed when first asked."""
 
     def __init__(self, automaton: TokenAutomaton, digest: bytes) -> None:
         self.automaton = automaton
@@ -144,7 +145,7 @@ class CheckedAutomaton:
 
     @classmethod
     def of(cls, automaton: TokenAutomaton) -> CheckedAutomaton:
-        """An automaton built here (tests), its digest over its arrays."""
+        """An automaton built here (tests, benchmarks), named by a digest of its arrays."""
         return cls(automaton, hashlib.blake2b(automaton_words(automaton),
                                               digest_size=16).digest())
 
@@ -281,6 +282,15 @@ def encode_automaton(automaton: TokenAutomaton, key: int = 0) -> bytes:
                                  a.states, len(a.list_tokens), a.mask_words, dense, total,
                                  key)
     return head + automaton_words(a)
+
+
+def automaton_identity(header: bytes | memoryview, size: int) -> bytes:
+    """What names an encoded automaton on a GPU side: its size as its request gives it
+    (``automaton_bytes``) and its header's ``key`` (12 bytes), by the protocol's one key,
+    one automaton. A side keeps one checked copy per identity; the bytes of a later
+    request of it need not be read."""
+    key = AUTOMATON_STRUCT.offset("key")
+    return size.to_bytes(4, "little") + bytes(header[key:key + 8])
 
 
 def automaton_key(data: bytes | memoryview) -> int:

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import array
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from dpu_frontend.errors import ProtocolError
-from dpu_frontend.ring.layout import ALIGN, CTRL_SIZE, DPU_CTRL_STRUCT, GPU_CTRL_STRUCT, ChannelLayout
+from dpu_frontend.ring.automaton import CheckedAutomaton, automaton_identity
+from dpu_frontend.ring.layout import (
+    ALIGN,
+    AUTOMATON_HEADER_SIZE,
+    CTRL_SIZE,
+    DPU_CTRL_STRUCT,
+    GPU_CTRL_STRUCT,
+    ChannelLayout,
+)
 from dpu_frontend.ring.records import (
     REQUEST_STRUCT,
     GenerateRecord,
@@ -55,12 +64,20 @@ class RingMemory(Protocol):
 
 class Taken(NamedTuple):
     """A request record taken from the ring, with what it carries in the arena, copied
-    out: the prompt, and the encoded automaton of a constrained request (checked by
-    whoever walks it: ``ring.automaton.decode_automaton``)."""
+    out: the prompt, and for a constrained request its automaton's ``identity`` and
+    either the checked automaton the caller already holds under that identity
+    (``checked``) or the encoded bytes (``automaton``; checked by whoever walks them:
+    ``ring.automaton.decode_automaton``)."""
 
     record: RequestRecord
     prompt: tuple[int, ...] = ()
     automaton: bytes = b""
+    identity: bytes = b""
+    checked: CheckedAutomaton | None = None
+
+
+#: What a walker holds under an automaton's identity (``poll_requests``' ``cached``).
+CheckedCache = Callable[[bytes], CheckedAutomaton | None]
 
 
 @dataclass(slots=True)
@@ -110,9 +127,11 @@ class GpuChannel:
 
     # -- requests ---------------------------------------------------------------
 
-    def poll_requests(self) -> list[Taken]:
+    def poll_requests(self, cached: CheckedCache | None = None) -> list[Taken]:
         """Every request record committed since the last call, with its prompt (and
-        automaton) copied out.
+        automaton) copied out. ``cached``: the checked automaton the caller holds under
+        an identity; a constrained request of one it holds is handed that, and its
+        automaton's bytes past the header are not read (one key, one automaton).
 
         A slot is valid once its commit word (acquire load) equals the expected
         sequence number. A record that breaks the protocol (another epoch, an
@@ -130,7 +149,8 @@ class GpuChannel:
             self.counters.records += 1
             try:
                 record = decode_request(mem.read(slot, lay.req_slot_size), self.epoch)
-                taken = (Taken(record, self._read_prompt(record), self._read_automaton(record))
+                taken = (self._read_automaton(
+                    Taken(record, self._read_prompt(record)), cached)
                          if isinstance(record, GenerateRecord) else Taken(record))
             except ProtocolError:
                 self.counters.bad_records += 1
@@ -161,17 +181,28 @@ class GpuChannel:
         ids.frombytes(self.mem.read(lay.arena_offset + record.arena_offset, record.prompt_len * 4))
         return tuple(ids)
 
-    def _read_automaton(self, record: GenerateRecord) -> bytes:
-        lay = self.layout
+    def _read_automaton(self, taken: Taken, cached: CheckedCache | None) -> Taken:
+        """``taken`` with its record's automaton: what ``cached`` holds under its identity,
+        else its bytes."""
+        lay, record = self.layout, taken.record
+        assert isinstance(record, GenerateRecord)
         n = record.automaton_bytes
         if not n:
-            return b""
+            return taken
         start = record.automaton_offset
         if not lay.constraints or n > lay.max_automaton_bytes or start + n > lay.arena_size:
             raise ProtocolError(f"request {record.request_id}: an automaton of {n} bytes at "
                                 f"{start} on a channel that takes {lay.max_automaton_bytes} "
                                 f"in an arena of {lay.arena_size}")
-        return self.mem.read(lay.arena_offset + start, n)
+        at = lay.arena_offset + start
+        if n >= AUTOMATON_HEADER_SIZE:
+            identity = automaton_identity(self.mem.read(at, AUTOMATON_HEADER_SIZE), n)
+            checked = cached(identity) if cached is not None else None
+            if checked is not None:
+                return taken._replace(identity=identity, checked=checked)
+        else:
+            identity = b""  # shorter than a header: its check refuses it
+        return taken._replace(automaton=self.mem.read(at, n), identity=identity)
 
     # -- responses --------------------------------------------------------------
 

@@ -129,7 +129,7 @@ class LoopbackGpu:
     # -- one step between the WRITEs and the READs of a batch ---------------------
 
     def step(self) -> None:
-        for record, prompt, _ in self.ring.poll_requests():
+        for record, prompt, *_ in self.ring.poll_requests():
             if isinstance(record, CancelRecord):
                 self.cancels.append(record.request_id)
                 arrival = self.arrivals.get(record.request_id)

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, frontend_load, frontend_scaling, idle_cost, light_load
+from benchmarks import (
+    automaton_intake,
+    common,
+    frontend_load,
+    frontend_scaling,
+    idle_cost,
+    light_load,
+)
 from benchmarks.loadgen import Job, Result, full_batch_tokens_per_s, run, schedule, summary
 from tests.stack import Stack
 
@@ -53,6 +60,16 @@ def test_the_idle_cost_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert idle_cost.main(["--streams", "20", "--seconds", "0.3"]) == 0
     entry = json.loads((tmp_path / "results.jsonl").read_text())
     assert entry["benchmark"] == "idle_cost" and entry["streams open"] == 20
+
+
+def test_the_automaton_intake_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """benchmarks.automaton_intake on a 1 MB automaton: its requests go through a real ring
+    layout, the first is checked, the later ones find its copy; recorded."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
+    assert automaton_intake.main(["--mb", "1", "--requests", "2"]) == 0
+    entry = json.loads((tmp_path / "results.jsonl").read_text())
+    assert entry["benchmark"] == "automaton_intake" and 0.9 < entry["automaton, MB"] < 1.1
 
 
 def test_the_light_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -234,7 +234,7 @@ class GpuProgram:
         self._reserved = 0  # positions handed out
 
     def step(self) -> None:
-        for record, prompt, _ in self.channel.poll_requests():
+        for record, prompt, *_ in self.channel.poll_requests():
             self.traffic.take(record, prompt)
             self._outbox += answers(record.request_id)
         if self.channel.counters.bad_records:

@@ -23,6 +23,7 @@ from dpu_frontend.ring.automaton import (
     UNREACHABLE,
     CheckedAutomaton,
     TokenAutomaton,
+    automaton_identity,
     automaton_key,
     decode_automaton,
     distances,
@@ -156,10 +157,20 @@ def test_the_replay_generator_walks_a_constrained_request_to_its_end() -> None:
 
 
 def test_the_reference_kernel_checks_each_automaton_once() -> None:
+    """Kept by its identity (key and size): a later request of it is handed the checked
+    copy; another key, or another size, is checked on its own."""
     kernel = ReferenceKernel(PeerConfig(), [[5, 6, 7]], (0,), vocab_size=VOCAB)
-    encoded = encode_automaton(chain())
-    first = kernel._checked(encoded)
-    assert first is not None and first.automaton == chain()
-    assert kernel._checked(bytes(encoded)) is first  # the same bytes: the checked one
-    assert kernel._checked(encoded[:-4]) is None  # fails a check: refused (and logged)
-    assert ReferenceKernel(PeerConfig(), [[5]], (0,), vocab_size=41)._checked(encoded) is None
+    encoded = encode_automaton(chain(), key=5)
+    identity = automaton_identity(encoded, len(encoded))
+    assert identity == (len(encoded)).to_bytes(4, "little") + (5).to_bytes(8, "little")
+    assert kernel._cached(identity) is None
+    first = kernel._checked(identity, encoded)
+    assert first is not None and first.automaton == chain() and first.digest == identity
+    assert kernel._cached(identity) is first and kernel._checked(identity, b"") is first
+    cut = encoded[:-4]  # fails a check: refused (and logged), nothing kept
+    assert kernel._checked(automaton_identity(cut, len(cut)), cut) is None
+    assert kernel._cached(automaton_identity(cut, len(cut))) is None
+    other = encode_automaton(chain(), key=6)
+    assert kernel._checked(automaton_identity(other, len(other)), other) not in (None, first)
+    assert ReferenceKernel(PeerConfig(), [[5]], (0,), vocab_size=41)._checked(
+        identity, encoded) is None

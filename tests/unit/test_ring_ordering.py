@@ -46,7 +46,7 @@ from dpu_frontend.ring import (
     ResponseRecord,
     WriteOp,
 )
-from dpu_frontend.ring.gpu import Taken
+from dpu_frontend.ring.gpu import CheckedCache, Taken
 from dpu_frontend.ring.layout import DPU_CTRL, GPU_CTRL_STRUCT
 from dpu_frontend.ring.memory import AtomicMemory
 from dpu_frontend.ring.records import COMMIT, decode_request
@@ -108,7 +108,7 @@ class ConsumedEarly(GpuChannel):
 
     AFTER = "commit"
 
-    def poll_requests(self) -> list[Taken]:
+    def poll_requests(self, cached: CheckedCache | None = None) -> list[Taken]:
         out: list[Taken] = []
         lay, mem = self.layout, self.mem
         while mem.load_acquire(lay.req_slot_offset(self.consumed + 1)) == self.consumed + 1:

@@ -8,6 +8,7 @@ exactly as RDMA would apply them.
 from __future__ import annotations
 
 import struct
+from array import array
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +27,14 @@ from dpu_frontend.ring import (
     ResponseRecord,
     SamplingParams,
 )
-from dpu_frontend.ring.automaton import Constraint
+from dpu_frontend.ring.automaton import (
+    NONE,
+    CheckedAutomaton,
+    Constraint,
+    TokenAutomaton,
+    automaton_identity,
+    encode_automaton,
+)
 from dpu_frontend.ring.layout import (
     ALIGN,
     FEATURE_LOGPROBS,
@@ -88,7 +96,7 @@ def test_generate_roundtrip_carries_prompt_and_params() -> None:
                             ignore_eos=True)
     pump.dpu.submit(11, [5, 6, 7], params)
     pump.flush()
-    [(record, prompt, automaton)] = pump.gpu.poll_requests()
+    [(record, prompt, automaton, *_)] = pump.gpu.poll_requests()
     assert record == GenerateRecord(11, 0, 3, params)
     assert prompt == (5, 6, 7) and automaton == b""
     assert pump.gpu.publish([ResponseRecord(11, (1, 2, 3)),
@@ -138,11 +146,11 @@ def test_arena_never_wraps_a_prompt_aligns_spans_and_reclaims_in_order() -> None
     pump.flush()
     assert pump.dpu.queued == 1
     got = pump.gpu.poll_requests()
-    assert [(r.arena_offset, p) for r, p, _ in got if isinstance(r, GenerateRecord)] == [
+    assert [(r.arena_offset, p) for r, p, *_ in got if isinstance(r, GenerateRecord)] == [
         (0, tuple(range(20))), (ALIGN, tuple(range(40)))]
     pump.poll()
     pump.flush()
-    [(third, p3, _)] = pump.gpu.poll_requests()
+    [(third, p3, *_)] = pump.gpu.poll_requests()
     assert isinstance(third, GenerateRecord) and third.arena_offset == 0  # skipped the tail
     assert p3 == tuple(range(40))
 
@@ -313,7 +321,7 @@ def test_any_interleaving_delivers_every_token_once_in_order(
     finished: set[int] = set()
     for _ in range(10_000):
         pump.flush()
-        for record, echoed, _ in pump.gpu.poll_requests():
+        for record, echoed, *_ in pump.gpu.poll_requests():
             assert isinstance(record, GenerateRecord)
             chunks = [echoed[i:i + 8] for i in range(0, len(echoed), 8)] or [()]
             backlog += [ResponseRecord(record.request_id, c) for c in chunks[:-1]]
@@ -336,6 +344,9 @@ def test_any_interleaving_delivers_every_token_once_in_order(
 
 
 AUTOMATON = bytes(range(200))  # the ring moves it; decoding it is the peer's (test_automaton)
+#: Over 8 ids: token 1 from state 0 to 1, which may only end (7).
+CHAIN = TokenAutomaton(8, 7, array("i", [0, 1, 2]), array("i", [1, 7]), array("i", [1, 1]),
+                       array("i", [NONE, NONE]), array("i", [NONE, NONE]), array("I"))
 
 
 def test_an_automaton_follows_its_prompt_in_the_arena() -> None:
@@ -350,6 +361,28 @@ def test_an_automaton_follows_its_prompt_in_the_arena() -> None:
     assert first.prompt == (5, 6, 7) and first.automaton == AUTOMATON
     assert second.record == GenerateRecord(2, 3 * ALIGN, 1, params)
     assert second.prompt == (8,) and second.automaton == b""
+
+
+def test_an_automaton_the_gpu_side_holds_is_not_read_again() -> None:
+    """One key, one automaton: the GPU side names an automaton by its header's key and
+    size, and a request of one it holds is handed the checked copy, its bytes unread."""
+    pump = Pump(small(arena_bytes=4096, max_automaton_bytes=1024, max_prompt_tokens=100))
+    params = SamplingParams(max_tokens=5)
+    encoded = encode_automaton(CHAIN, key=9)
+    held = CheckedAutomaton(CHAIN, automaton_identity(encoded, len(encoded)))
+    asked: list[bytes] = []
+
+    def cached(identity: bytes) -> CheckedAutomaton | None:
+        asked.append(identity)
+        return held if identity == held.digest else None
+
+    pump.dpu.submit(1, [5], params, Constraint(encoded))
+    pump.dpu.submit(2, [6], params, Constraint(encode_automaton(CHAIN, key=10)))
+    pump.flush()
+    first, second = pump.gpu.poll_requests(cached)
+    assert (first.checked, first.automaton, first.identity) == (held, b"", held.digest)
+    assert second.checked is None and second.automaton == encode_automaton(CHAIN, key=10)
+    assert asked == [held.digest, second.identity]
 
 
 def test_a_channel_without_automata_or_with_smaller_ones_refuses_before_writing() -> None:
