@@ -251,6 +251,11 @@ class RingSource(ActiveSequences[int]):
         """The ring restarted at ``epoch`` (ATTACH) or stays at it (DETACH)."""
         self.records.reset(self.channel, epoch)
 
+    def fail(self, request_id: int) -> None:
+        """A request the peer's loop refused (an automaton that fails its checks): the
+        GPU's writer ends it with an error record."""
+        self.records.final(-1, Target(self.channel, request_id), FinishReason.ERROR)
+
     def step(self, now: float, budget: int) -> list[ResponseRecord]:
         return []
 

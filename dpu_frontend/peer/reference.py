@@ -77,6 +77,9 @@ class PublishingSource(Protocol):
 
     def reset(self, epoch: int) -> None: ...
     def counters(self) -> dict[str, int]: ...
+    def fail(self, request_id: int) -> None:
+        """End a request the loop refused with an error record (written where this
+        source's records are)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +263,10 @@ class ReferenceKernel(PeerKernel):
                     # An automaton that fails its checks: refused, and answered at once,
                     # so that its stream ends with an error instead of waiting.
                     ring.refuse()
-                    outbox.append(ResponseRecord(record.request_id, (), FinishReason.ERROR))
+                    if isinstance(generator, PublishingSource):
+                        generator.fail(record.request_id)
+                    else:
+                        outbox.append(ResponseRecord(record.request_id, (), FinishReason.ERROR))
                 else:
                     generator.admit(record, prompt, now, checked)
             else:

@@ -6,6 +6,7 @@ its own channel, and a reset."""
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections import defaultdict
 
 import numpy as np
@@ -25,6 +26,7 @@ from dpu_frontend.ring import (
     ResponseRecord,
     SamplingParams,
 )
+from dpu_frontend.ring.automaton import Constraint, TokenAutomaton, encode_automaton
 from dpu_frontend.ring.dpu import DpuChannel
 from dpu_frontend.ring.layout import DPU_CTRL_STRUCT, GPU_CTRL_STRUCT
 from dpu_frontend.ring.mailbox import Ack, ChannelState, Command, HostMailbox, MailboxError
@@ -244,6 +246,47 @@ def tick(kernel: ReferenceKernel, hub: EngineHub) -> None:
         if channel.attached:
             kernel._publish(channel, 0.0)
         channel.mailbox.publish_counters(kernel._counters(channel))
+
+
+def test_with_gpu_records_a_broken_automaton_ends_its_request_with_an_error() -> None:
+    """The model peer's loop with ``RingSource`` channels takes structured output: a
+    request whose automaton fails its checks is counted bad and ended with an error
+    record by the ring's writer (the loop publishes nothing for such a source), and a
+    request beside it with a good automaton runs on."""
+    eng = engine(True, max_seqs=8)
+    hub = EngineHub(eng, lambda memory, lay: RingRecords(
+        HostRecordBackend(lay, memory, 8, tuple(eng.eos)), lay, memory, 8))
+    vocab = eng.config.vocab_size
+    kernel = ReferenceKernel(PeerConfig(transport="verbs"), [], (), vocab_size=vocab,
+                             sources=lambda c, space: RingSource(hub, c), between_steps=hub.step,
+                             stats=hub.stats, opened=hub.opened, closing=hub.closed)
+    layout = Geometry(req_slots=16, arena_bytes=8192, resp_slots=64, max_sequences=32,
+                      max_prompt_tokens=64, max_automaton_bytes=4096).plan(instance=5)
+    kernel.open(layout, VerbsRegion(RdmaConfig()))
+    memory, mailbox = kernel._region, HostMailbox(kernel.mailbox, 0)
+    assert memory is not None
+    seq = mailbox.post(Command.ATTACH, 3)
+    tick(kernel, hub)
+    assert mailbox.acked(seq) == Ack(ChannelState.ATTACHED, MailboxError.OK)
+    dpu = DpuChannel(layout.channels[0], 3)
+    # Over the model's ids: token 5 from state 0 to 1, which may only end.
+    good = encode_automaton(TokenAutomaton(
+        vocab, EOS, array("i", [0, 1, 2]), array("i", [5, EOS]), array("i", [1, 1]),
+        array("i", [-1, -1]), array("i", [-1, -1]), array("I")), key=1)
+    broken = bytearray(good)
+    broken[0] ^= 0xFF  # the magic
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=1)
+    dpu.submit(1, [5, 6, 7], params, Constraint(bytes(broken)))
+    dpu.submit(2, [5, 6, 8], params, Constraint(good))
+    got: dict[int, list[ResponseRecord]] = defaultdict(list)
+    for _ in range(30):
+        for r in poll(dpu, memory):
+            got[r.request_id].append(r)
+        tick(kernel, hub)
+    assert got[1] == [ResponseRecord(1, (), FinishReason.ERROR)]
+    assert got[2] and got[2][-1].final
+    assert HostMailbox(kernel.mailbox, 0).counters()["bad_records"] == 1
+    assert eng.stats.constrained == 1
 
 
 def test_the_peer_loop_with_gpu_records_cancels_and_reattaches() -> None:
