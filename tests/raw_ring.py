@@ -28,10 +28,11 @@ async def write_unknown_kind(session: PeerSession, request_id: int,
 
 
 async def write_constrained(session: PeerSession, request_id: int,
-                            prompt: Sequence[int]) -> None:
+                            prompt: Sequence[int], automaton_bytes: int = 64) -> None:
     """Write ``request_id``'s generate record flagged CONSTRAINED, with an automaton's
-    size, on a channel whose layout offers no automata: what a 2.2 GPU side without
-    the feature must refuse, never serve unconstrained."""
+    size and no automaton: on a channel whose layout offers no automata, what a 2.2 GPU
+    side without the feature must refuse, never serve unconstrained; on one that does,
+    with a size no automaton has, what it must answer with an error."""
     ring, transport = session.channel, session.transport
     ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
     writes, _ = ring.take_writes()
@@ -40,7 +41,7 @@ async def write_constrained(session: PeerSession, request_id: int,
     flags = REQUEST_STRUCT.offset("flags") - REQUEST_BODY_OFFSET
     patched[flags] |= FLAG_CONSTRAINED
     at = REQUEST_STRUCT.offset("automaton_bytes") - REQUEST_BODY_OFFSET
-    patched[at:at + 4] = (64).to_bytes(4, "little")
+    patched[at:at + 4] = automaton_bytes.to_bytes(4, "little")
     await transport.write([op if op is not body else type(op)(op.offset, bytes(patched))
                            for op in writes])
 

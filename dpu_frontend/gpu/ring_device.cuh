@@ -173,11 +173,12 @@ __device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc 
     const uint32_t automaton = words[REQ_AUTOMATON];
     if ((constrained || automaton != 0) && (d->features & DPUF_FEATURE_CONSTRAINTS) == 0) return V_BAD;
     if (constrained) {
-        /* Its span after the prompt's, within the arena and the channel's bound
-         * (its contents are the walker's to check: automaton_at). */
+        /* Its span after the prompt's, within the arena and the channel's bound.
+         * Its contents, its size's shape included, are the walker's to check: it
+         * answers an automaton that fails with an error record. */
         const uint64_t at = arena_off + automaton_offset(prompt_len);
-        if (automaton < DPUF_AUTOMATON_HEADER_SIZE || automaton % 4u != 0 || automaton > d->max_automaton_bytes ||
-            at > d->arena_size || automaton > d->arena_size - at) return V_BAD;
+        if (automaton > d->max_automaton_bytes || at > d->arena_size || automaton > d->arena_size - at)
+            return V_BAD;
     } else if (automaton != 0) {
         return V_BAD;
     }

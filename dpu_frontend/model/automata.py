@@ -71,11 +71,11 @@ class AutomatonPool:
                 raise ValueError(f"an automaton of {4 * words} bytes does not fit the "
                                  f"{4 * self.capacity}-byte automaton pool")
             base = self._place(words)
-            while base is None and self._idle:
+            if base is None and self._place(words, in_use=True) is None:
+                return None  # evicting every unused copy would not make room: keep them
+            while base is None:
                 self._evict()
                 base = self._place(words)
-            if base is None:
-                return None
             entry = self._entries[automaton.digest] = PoolEntry(automaton, base, words)
             insort(self._spans, (base, base + words))
         self._idle.pop(automaton.digest, None)
@@ -98,10 +98,14 @@ class AutomatonPool:
     def entries(self) -> int:
         return len(self._entries)
 
-    def _place(self, words: int) -> int | None:
-        """The lowest base of a free run of ``words`` words."""
+    def _place(self, words: int, *, in_use: bool = False) -> int | None:
+        """The lowest base of a free run of ``words`` words; ``in_use``: as if every
+        unused copy were gone."""
+        idle = {(e.base, e.base + e.words) for e in self._idle.values()} if in_use else set()
         at = 0
         for base, end in self._spans:
+            if (base, end) in idle:
+                continue
             if base - at >= words:
                 return at
             at = end

@@ -13,6 +13,7 @@ import asyncio
 import json
 import signal
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from dpu_frontend.model.engine import ModelEngine
 from dpu_frontend.ring.automaton import (
     CheckedAutomaton,
     Constraint,
+    TokenAutomaton,
     build_automaton,
     encode_automaton,
 )
@@ -307,3 +309,43 @@ async def test_automata_on_a_raw_channel(offline: ModelEngine) -> None:
     print(f"GPU scheduler: a choice automaton walked inside the GPU ({answer(1)[0]}, "
           f"{answer(2)[0]}), the host engine's tokens; one copy for two requests; a broken "
           "automaton refused with an error record")
+
+
+async def test_malformed_automata_on_a_raw_channel() -> None:
+    """What a faulty DPU could send on a channel that takes automata, each answered with
+    an error record and counted bad, never walked: a dense state whose only bits lie
+    past the vocabulary (it would allow nothing), and sizes no automaton has (below a
+    header; not whole words)."""
+    vocab = Vocabulary.load(default_tokenizer_dir()).tokenizer.get_vocab_size()
+    eos = ModelConfig.default().eos_token_ids[0]
+    words = (vocab + 31) // 32
+    spare = [0] * words
+    spare[-1] = 1 << 31  # past the vocabulary (its last word's tail)
+    past = encode_automaton(TokenAutomaton(vocab, eos, array("i", [0, 0]), array("i"),
+                                           array("i"), array("i", [0]), array("i", [0]),
+                                           array("I", spare)), key=9)
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
+        address = stack.peer_address()
+        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
+                                            address)
+        try:
+            before = await report(stack)
+            session.channel.submit(1, [11, 12], SamplingParams(max_tokens=4), Constraint(past))
+            await write_constrained(session, 2, [21, 22], automaton_bytes=60)
+            await write_constrained(session, 3, [31, 32], automaton_bytes=66)
+            seen: list[ResponseRecord] = []
+            for request in (1, 2, 3):
+                if not any(r.request_id == request and r.final for r in seen):
+                    seen += await poll_until_final(session, request, limit=120)
+            after = await report(stack)
+        finally:
+            await session.close()
+    for request in (1, 2, 3):
+        assert [(r.finish, r.tokens) for r in seen if r.request_id == request] == \
+            [(FinishReason.ERROR, ())], request
+    mine = session.channel_index
+    assert after["channels"][mine]["bad_records"] == before["channels"][mine]["bad_records"] + 3
+    assert after["kernel"]["automata_refused"] == before["kernel"]["automata_refused"] + 3
+    print("bits past the vocabulary, a size below a header, a size of no whole words: each "
+          "an error record and a bad count")

@@ -86,3 +86,18 @@ def test_an_automaton_larger_than_the_pool_is_refused() -> None:
     assert not pool.fits(automaton(20)) and pool.fits(automaton(5))
     with pytest.raises(ValueError, match="does not fit"):
         pool.acquire(automaton(20))
+
+
+def test_nothing_is_evicted_where_evicting_would_not_make_room() -> None:
+    """The copies in use leave no run long enough even without the unused ones: the
+    unused ones stay for the requests that bring them again."""
+    pool = AutomatonPool(5 * ALIGN_WORDS)
+    unused, used = pool.acquire(automaton(3)), pool.acquire(automaton(4))  # a block each
+    assert unused is not None and used is not None and used.base == ALIGN_WORDS
+    pool.release(unused)
+    # 4 blocks: without `unused` the free runs are 1 block and 3, never 4.
+    assert pool_words(automaton(20)) == 4 * ALIGN_WORDS
+    assert pool.acquire(automaton(20)) is None
+    assert pool.evictions == 0 and pool.acquire(automaton(3)) is unused
+    pool.release(unused)
+    assert pool.acquire(automaton(9)) is not None and pool.evictions == 0  # 2 blocks: free

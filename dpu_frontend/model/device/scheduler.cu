@@ -184,6 +184,11 @@ __device__ __forceinline__ const uint8_t *automaton_at(const sched_args &a, cons
     return a.region + d->arena_offset + req_u64(wd, REQ_ARENA) + automaton_offset(wd[REQ_PROMPT_LEN]);
 }
 
+/* A size an automaton can have: a header and whole 32-bit words. */
+__device__ __forceinline__ bool automaton_sized(uint32_t bytes) {
+    return bytes >= DPUF_AUTOMATON_HEADER_SIZE && bytes % 4u == 0;
+}
+
 /* The pool words an automaton of `bytes` takes: its arrays, whole 128-byte lines. */
 __device__ __forceinline__ uint64_t automaton_words(uint32_t bytes) {
     return ((uint64_t)(bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u + 31u) / 32u * 32u;
@@ -226,19 +231,26 @@ __device__ int32_t automata_find(const sched_args &a, uint64_t key, uint32_t byt
     return -1;
 }
 
+/* Does slot t hold room (for automata_fit)? Live, and with `in_use` only if a
+ * sequence walks it (unused copies counted as evictable). */
+__device__ __forceinline__ bool automaton_holds(const automaton_slot &t, bool in_use) {
+    return t.live && (!in_use || t.users > 0);
+}
+
 /* Thread 0: the lowest start of a free run of `words` pool words, UINT64_MAX:
- * none (the candidates: the pool's start and the end of each copy). */
-__device__ uint64_t automata_fit(const sched_args &a, uint64_t words) {
+ * none (the candidates: the pool's start and the end of each copy). `in_use`:
+ * as if every unused copy were gone. */
+__device__ uint64_t automata_fit(const sched_args &a, uint64_t words, bool in_use = false) {
     uint64_t best = UINT64_MAX;
     if (words > a.apool_words) return best;
     for (int32_t c = -1; c < (int32_t)DPUF_MODEL_MAX_AUTOMATA; c++) {
-        if (c >= 0 && !a.autos[c].live) continue;
+        if (c >= 0 && !automaton_holds(a.autos[c], in_use)) continue;
         const uint64_t start = c < 0 ? 0 : a.autos[c].base + a.autos[c].words;
         if (start >= best || start > a.apool_words - words) continue;
         bool clear = true;
         for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA && clear; k++) {
             const automaton_slot &t = a.autos[k];
-            clear = !t.live || t.base >= start + words || start >= t.base + t.words;
+            clear = !automaton_holds(t, in_use) || t.base >= start + words || start >= t.base + t.words;
         }
         if (clear) best = start;
     }
@@ -258,6 +270,11 @@ __device__ int32_t automata_free_slot(const sched_args &a) {
 __device__ bool automata_room(const sched_args &a, uint64_t key, uint32_t bytes) {
     if (automata_find(a, key, bytes) >= 0) return true;
     const uint64_t words = automaton_words(bytes);
+    /* Evict nothing where evicting every unused copy would not make room: those
+     * copies stay for the requests that bring them again. */
+    bool slot = false;
+    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA && !slot; k++) slot = !automaton_holds(a.autos[k], true);
+    if (!slot || automata_fit(a, words, true) == UINT64_MAX) return false;
     for (;;) {
         if (automata_free_slot(a) >= 0 && automata_fit(a, words) != UINT64_MAX) return true;
         int32_t victim = -1;
@@ -278,9 +295,13 @@ __device__ bool automata_room(const sched_args &a, uint64_t key, uint32_t bytes)
 __device__ void automata_take(const sched_args &a, const dpuf_channel_desc *d, const uint32_t *wd, sched_smem &sm) {
     sm.automaton = -1;
     sm.auto_fresh = sm.auto_bad = 0;
+    const uint32_t bytes = wd[REQ_AUTOMATON];
+    if (!automaton_sized(bytes)) { /* not even a header: nothing to read */
+        sm.auto_bad = 1;
+        return;
+    }
     uint32_t h[16];
     automaton_header(automaton_at(a, d, wd), h);
-    const uint32_t bytes = wd[REQ_AUTOMATON];
     const uint64_t key = h[AUT_KEY] | (uint64_t)h[AUT_KEY + 1] << 32;
     int32_t k = automata_find(a, key, bytes);
     if (k < 0) {
@@ -334,9 +355,9 @@ __device__ bool list_starts_at(const int32_t *list_start, int64_t states, int64_
 /* All threads: does the copy in slot t fail a check of decode_automaton's
  * (ring/automaton.py)? Each index within its array, each list ascending ids
  * below the vocabulary, each dense state with a default and a whole bitmask
- * of its own offset, D of them, every state allowing a token. (Not checked:
- * two dense states sharing one bitmask, and bits past the vocabulary: the walk
- * is the same either way.) */
+ * of its own offset, D of them, no bit past the vocabulary, every state
+ * allowing a token. (Not checked: two dense states sharing one bitmask; the
+ * walk is the same either way.) */
 __device__ bool automaton_faulty(const sched_args &a, const automaton_slot &t, sched_smem &sm) {
     const int32_t *w = a.apool + t.base;
     const int64_t S = t.states, L = t.list_len, W = (a.vocab + 31u) / 32u;
@@ -359,6 +380,10 @@ __device__ bool automaton_faulty(const sched_args &a, const automaton_slot &t, s
             bad = true;
         } else {
             seen_dense++;
+            /* No bit past the vocabulary (the walk would not read it: a state whose
+             * only bits lie there would allow nothing). */
+            const uint32_t tail = a.vocab % 32u;
+            if (tail) bad |= (masks[m + W - 1] & ~((1u << tail) - 1u)) != 0;
             for (int64_t j = 0; j < W && !allows; j++) allows = masks[m + j] != 0;
         }
         bad |= !allows;
@@ -516,8 +541,10 @@ struct sched_intake {
         if (verdict == V_GENERATE && (wd[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED)) {
             /* Its automaton waits (and the records behind it) until the pool has
              * room: automata in use leave it as their sequences end. One larger
-             * than the pool never fits (the layout's bound prevents it). */
+             * than the pool never fits (the layout's bound prevents it). A size no
+             * automaton has is answered with an error (automata_take). */
             const uint32_t bytes = wd[REQ_AUTOMATON];
+            if (!automaton_sized(bytes)) return verdict;
             if (automaton_words(bytes) > a.apool_words) return V_BAD;
             uint32_t h[16];
             automaton_header(automaton_at(a, a.channels + c, wd), h);
