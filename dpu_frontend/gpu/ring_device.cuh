@@ -177,8 +177,9 @@ __device__ uint32_t read_request(const uint8_t *region, const dpuf_channel_desc 
          * Its contents, its size's shape included, are the walker's to check: it
          * answers an automaton that fails with an error record. */
         const uint64_t at = arena_off + automaton_offset(prompt_len);
-        if (automaton > d->max_automaton_bytes || at > d->arena_size || automaton > d->arena_size - at)
-            return V_BAD;
+        if (automaton == 0 || automaton > d->max_automaton_bytes || at > d->arena_size ||
+            automaton > d->arena_size - at)
+            return V_BAD; /* the flag without a size, as decode_request refuses it */
     } else if (automaton != 0) {
         return V_BAD;
     }
