@@ -10,11 +10,12 @@ host's share of the work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -65,6 +66,30 @@ async def complete(session: aiohttp.ClientSession, stack: Stack, body: dict[str,
         answer: dict[str, Any] = await r.json()
         assert r.status == 200, answer
         return answer
+
+
+@contextlib.asynccontextmanager
+async def raw_channel(*peer_args: str) -> AsyncIterator[tuple[Stack, PeerSession]]:
+    """The GPU scheduler behind a daemon, with a second channel that a raw client (the
+    session) drives, to write what a daemon never does."""
+    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
+                       peer_args=(*SMALL_KV, "--channels", "2", *peer_args)) as stack:
+        address = stack.peer_address()
+        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
+                                            address)
+        try:
+            yield stack, session
+        finally:
+            await session.close()
+
+
+async def until_final(session: PeerSession, requests: Sequence[int]) -> list[ResponseRecord]:
+    """Every record the channel publishes until each of ``requests`` has its final one."""
+    seen: list[ResponseRecord] = []
+    for request in requests:
+        if not any(r.request_id == request and r.final for r in seen):
+            seen += await poll_until_final(session, request, limit=120)
+    return seen
 
 
 async def test_kv_exhaustion_preempts_and_waits_and_changes_no_token(
@@ -195,29 +220,18 @@ async def test_bad_and_refused_records_on_a_raw_channel(offline: ModelEngine) ->
     holding an id past the vocabulary ends with an error record (the request fails
     alone), and a request after them is answered as the host engine answers it. The
     scheduler's intake (the ring's shared walk) takes each in turn."""
-    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
-                       peer_args=(*SMALL_KV, "--channels", "2", "--max-automaton-bytes", "0")
-                       ) as stack:
-        address = stack.peer_address()
-        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
-                                            address)
-        try:
-            before = await report(stack)
-            await write_unknown_kind(session, 1, [11, 12, 13])
-            await write_constrained(session, 5, [51, 52])  # no automata on this layout
-            running = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
-            session.channel.submit(2, [21, 22, 23], running)
-            session.channel.submit(2, [24, 25], running)  # its id is running: bad
-            session.channel.submit(3, [31, 1 << 30], SamplingParams(max_tokens=4))
-            greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
-            session.channel.submit(4, [41, 42, 43], greedy)
-            seen: list[ResponseRecord] = []
-            for request in (3, 4, 2):
-                if not any(r.request_id == request and r.final for r in seen):
-                    seen += await poll_until_final(session, request, limit=120)
-            after = await report(stack)
-        finally:
-            await session.close()
+    async with raw_channel("--max-automaton-bytes", "0") as (stack, session):
+        before = await report(stack)
+        await write_unknown_kind(session, 1, [11, 12, 13])
+        await write_constrained(session, 5, [51, 52])  # no automata on this layout
+        running = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+        session.channel.submit(2, [21, 22, 23], running)
+        session.channel.submit(2, [24, 25], running)  # its id is running: bad
+        session.channel.submit(3, [31, 1 << 30], SamplingParams(max_tokens=4))
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+        session.channel.submit(4, [41, 42, 43], greedy)
+        seen = await until_final(session, (3, 4, 2))
+        after = await report(stack)
         refused = [r for r in seen if r.request_id == 3]
         assert [(r.finish, r.tokens) for r in refused] == [(FinishReason.ERROR, ())]
         want = offline.generate([[41, 42, 43]], [greedy])[0].tokens
@@ -261,27 +275,17 @@ async def test_automata_on_a_raw_channel(offline: ModelEngine) -> None:
     # The first list_next word (after the header, list_start [S + 1], list_tokens [L]).
     at = 64 + 4 * (states + 1 + len(checked.automaton.list_tokens))
     broken[at:at + 4] = (states + 5).to_bytes(4, "little")
-    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
-                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
-        address = stack.peer_address()
-        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
-                                            address)
-        try:
-            before = await report(stack)
-            params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                      SamplingParams(max_tokens=12, temperature=0.9, seed=3)]
-            session.channel.submit(1, [11, 12, 13], params[0], Constraint(encoded))
-            session.channel.submit(2, [21, 22], params[1], Constraint(encoded))
-            session.channel.submit(3, [31, 32], params[0], Constraint(bytes(broken)))
-            plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
-            session.channel.submit(4, [41, 42, 43], plain)
-            seen: list[ResponseRecord] = []
-            for request in (1, 2, 3, 4):
-                if not any(r.request_id == request and r.final for r in seen):
-                    seen += await poll_until_final(session, request, limit=120)
-            after = await report(stack)
-        finally:
-            await session.close()
+    async with raw_channel() as (stack, session):
+        before = await report(stack)
+        params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=12, temperature=0.9, seed=3)]
+        session.channel.submit(1, [11, 12, 13], params[0], Constraint(encoded))
+        session.channel.submit(2, [21, 22], params[1], Constraint(encoded))
+        session.channel.submit(3, [31, 32], params[0], Constraint(bytes(broken)))
+        plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+        session.channel.submit(4, [41, 42, 43], plain)
+        seen = await until_final(session, (1, 2, 3, 4))
+        after = await report(stack)
 
     def answer(request: int) -> tuple[list[int], FinishReason]:
         mine = [r for r in seen if r.request_id == request]
@@ -324,23 +328,13 @@ async def test_malformed_automata_on_a_raw_channel() -> None:
     past = encode_automaton(TokenAutomaton(vocab, eos, array("i", [0, 0]), array("i"),
                                            array("i"), array("i", [0]), array("i", [0]),
                                            array("I", spare)), key=9)
-    with running_stack("shm", timeout=TIMEOUT, peer_command="model-peer",
-                       peer_args=(*SMALL_KV, "--channels", "2")) as stack:
-        address = stack.peer_address()
-        session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"),
-                                            address)
-        try:
-            before = await report(stack)
-            session.channel.submit(1, [11, 12], SamplingParams(max_tokens=4), Constraint(past))
-            await write_constrained(session, 2, [21, 22], automaton_bytes=60)
-            await write_constrained(session, 3, [31, 32], automaton_bytes=66)
-            seen: list[ResponseRecord] = []
-            for request in (1, 2, 3):
-                if not any(r.request_id == request and r.final for r in seen):
-                    seen += await poll_until_final(session, request, limit=120)
-            after = await report(stack)
-        finally:
-            await session.close()
+    async with raw_channel() as (stack, session):
+        before = await report(stack)
+        session.channel.submit(1, [11, 12], SamplingParams(max_tokens=4), Constraint(past))
+        await write_constrained(session, 2, [21, 22], automaton_bytes=60)
+        await write_constrained(session, 3, [31, 32], automaton_bytes=66)
+        seen = await until_final(session, (1, 2, 3))
+        after = await report(stack)
     for request in (1, 2, 3):
         assert [(r.finish, r.tokens) for r in seen if r.request_id == request] == \
             [(FinishReason.ERROR, ())], request
