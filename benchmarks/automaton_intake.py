@@ -33,8 +33,8 @@ from dpu_frontend.ring.automaton import (
     decode_automaton,
     encode_automaton,
 )
-from dpu_frontend.ring.dpu import WriteOp
 from dpu_frontend.ring.memory import AtomicMemory
+from tests.unit.interleave import apply
 
 VOCAB, EOS = 151_669, 151_645
 
@@ -117,14 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         "bare limit: one copy of its bytes out of the region, ms": round(bare * 1e3, 1),
     })
     return 0
-
-
-def apply(mem: AtomicMemory, op: WriteOp) -> None:
-    """One RDMA WRITE: an 8-byte marker as one release store, anything else as a copy."""
-    if len(op.data) == 8 and op.offset % 8 == 0:
-        mem.store_release(op.offset, int.from_bytes(op.data, "little"))
-    else:
-        mem.write(op.offset, op.data)
 
 
 if __name__ == "__main__":
