@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dpu_frontend.engine.session import PeerSession
 from dpu_frontend.ring import ResponseRecord, SamplingParams
@@ -14,17 +14,32 @@ from dpu_frontend.ring.records import FLAG_CONSTRAINED, REQUEST_BODY_OFFSET, REQ
 UNKNOWN_KIND = 9  # no request record kind has this value
 
 
+async def write_patched(session: PeerSession, request_id: int, prompt: Sequence[int],
+                        patch: Callable[[bytearray], None]) -> None:
+    """Write ``request_id``'s generate record with its body changed by ``patch`` (the
+    body's bytes, from its first). Records queued before it are written first, as they
+    are: the body patched is this request's alone."""
+    ring, transport = session.channel, session.transport
+    queued, _ = ring.take_writes()
+    if queued:
+        await transport.write(queued)
+    ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
+    writes, _ = ring.take_writes()
+    (body,) = (op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
+    patched = bytearray(body.data)
+    patch(patched)
+    await transport.write([op if op is not body else type(op)(op.offset, bytes(patched))
+                           for op in writes])
+
+
 async def write_unknown_kind(session: PeerSession, request_id: int,
                              prompt: Sequence[int]) -> None:
     """Write ``request_id``'s generate record with its kind byte set to an unknown kind."""
-    ring, transport = session.channel, session.transport
-    ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
-    writes, _ = ring.take_writes()
-    body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
-    corrupt = bytearray(body.data)
-    corrupt[0] = UNKNOWN_KIND
-    await transport.write([op if op is not body else type(op)(op.offset, bytes(corrupt))
-                           for op in writes])
+
+    def unknown(body: bytearray) -> None:
+        body[0] = UNKNOWN_KIND
+
+    await write_patched(session, request_id, prompt, unknown)
 
 
 async def write_constrained(session: PeerSession, request_id: int,
@@ -33,17 +48,14 @@ async def write_constrained(session: PeerSession, request_id: int,
     size and no automaton: on a channel whose layout offers no automata, what a 2.2 GPU
     side without the feature must refuse, never serve unconstrained; on one that does,
     with a size no automaton has, what it must answer with an error."""
-    ring, transport = session.channel, session.transport
-    ring.submit(request_id, prompt, SamplingParams(max_tokens=4))
-    writes, _ = ring.take_writes()
-    body = next(op for op in writes if op.offset % 128 == REQUEST_BODY_OFFSET)
-    patched = bytearray(body.data)
-    flags = REQUEST_STRUCT.offset("flags") - REQUEST_BODY_OFFSET
-    patched[flags] |= FLAG_CONSTRAINED
-    at = REQUEST_STRUCT.offset("automaton_bytes") - REQUEST_BODY_OFFSET
-    patched[at:at + 4] = automaton_bytes.to_bytes(4, "little")
-    await transport.write([op if op is not body else type(op)(op.offset, bytes(patched))
-                           for op in writes])
+
+    def constrained(body: bytearray) -> None:
+        flags = REQUEST_STRUCT.offset("flags") - REQUEST_BODY_OFFSET
+        body[flags] |= FLAG_CONSTRAINED
+        at = REQUEST_STRUCT.offset("automaton_bytes") - REQUEST_BODY_OFFSET
+        body[at:at + 4] = automaton_bytes.to_bytes(4, "little")
+
+    await write_patched(session, request_id, prompt, constrained)
 
 
 async def poll_until_final(session: PeerSession, request_id: int,
