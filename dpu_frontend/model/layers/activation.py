@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dpu_frontend.model.layers.pdl import dependent_start, launch
+
 
 @triton.jit
 def swiglu(gate, up):
@@ -23,7 +25,9 @@ def swiglu(gate, up):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -39,6 +43,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
         block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, y, n, x.stride(0), y.stride(0), BLOCK=block,
-                                                   num_warps=4)
+        grid = (t, triton.cdiv(n, block))
+        _silu_mul_kernel[grid](x, y, n, x.stride(0), y.stride(0), BLOCK=block,
+                               **launch(x.device, grid), num_warps=4)
     return y

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.linear import precision
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 from dpu_frontend.model.layers.quant import cache_scales
 
 #: Rows (tokens x query heads of a KV group) per attention program: 16, so that a
@@ -83,13 +84,14 @@ def _paged_attention_kernel(
     stride_ph, stride_table, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, CHUNK_PAGES: tl.constexpr,
-    FP8_KV: tl.constexpr,
+    FP8_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """One tile's softmax over its chunks s, s + SPLITS, ... (s: the split), unnormalized:
     per row the running max m, the sum l and the weighted values acc, into ``part``
     [tokens, heads, SPLITS, HEAD_DIM + 2] float32. An FP8 cache's keys and values are
     widened to q's dtype (exactly) for the MMAs, and their scales, one a token, applied
     to the scores and to the softmax weights."""
+    dependent_start(PDL, EARLY)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,8 +156,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, o_ptr, pos_ptr, stride_pt, stride_ph, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr, EARLY: tl.constexpr):
     """One query token and head: its splits' partial softmaxes merged, in split order."""
+    dependent_start(PDL, EARLY)
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -210,10 +214,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tables.stride(0), dim ** -0.5,
         GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
         SPLITS=splits, CHUNK_PAGES=chunk_pages, FP8_KV=scales is not None,
-        num_warps=warps or ATTN_WARPS, num_stages=stages or ATTN_STAGES,
+        **launch(q.device, (tile_seq.shape[0], hkv, splits)), num_warps=warps or ATTN_WARPS,
+        num_stages=stages or ATTN_STAGES,
     )
     _merge_splits_kernel[(t, hq)](
         part, out, positions, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=dim, SPLITS=splits, CHUNK=page * chunk_pages, num_warps=4)
+        HEAD_DIM=dim, SPLITS=splits, CHUNK=page * chunk_pages,
+        **launch(part.device, (t, hq)), num_warps=4)
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.automata import PoolEntry
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 from dpu_frontend.model.layers.sampler import to_device
 from dpu_frontend.ring.automaton import automaton_words
 
@@ -50,7 +51,9 @@ def _automaton_of(meta, slot):
 
 
 @triton.jit
-def _keep_listed(pool, meta, state, slots, keep, keep_stride, BLOCK: tl.constexpr):
+def _keep_listed(pool, meta, state, slots, keep, keep_stride, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     row = tl.program_id(0)
     slot = tl.load(slots + row)
     base, states, _, _, _, on = _automaton_of(meta, slot)
@@ -68,7 +71,8 @@ def _keep_listed(pool, meta, state, slots, keep, keep_stride, BLOCK: tl.constexp
 
 @triton.jit
 def _mask(logits, out, n_vocab, logits_stride, out_stride, pool, meta, state, slots, keep,
-          keep_stride, BLOCK: tl.constexpr):
+          keep_stride, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     row = tl.program_id(0)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = t < n_vocab
@@ -94,7 +98,8 @@ def _mask(logits, out, n_vocab, logits_stride, out_stride, pool, meta, state, sl
 
 
 @triton.jit
-def _advance(tokens, pool, meta, state, slots):
+def _advance(tokens, pool, meta, state, slots, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     row = tl.program_id(0)
     slot = tl.load(slots + row)
     base, states, list_len, vocab, _, on = _automaton_of(meta, slot)
@@ -170,14 +175,15 @@ class DeviceAutomata:
         if rows:
             keep = self._keep
             _keep_listed[(rows,)](self.pool, self.meta, self.state, slots, keep, keep.stride(0),
-                                  BLOCK=LIST_BLOCK, num_warps=4)
+                                  BLOCK=LIST_BLOCK, **launch(self.pool.device, (rows,)), num_warps=4)
             _mask[(rows, triton.cdiv(vocab, MASK_BLOCK))](
                 logits, out, vocab, logits.stride(0), out.stride(0), self.pool, self.meta,
-                self.state, slots, keep, keep.stride(0), BLOCK=MASK_BLOCK, num_warps=8)
+                self.state, slots, keep, keep.stride(0), BLOCK=MASK_BLOCK,
+                **launch(logits.device, (rows, triton.cdiv(vocab, MASK_BLOCK))), num_warps=8)
         return out
 
     def advance(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """Each constrained row's state moved by its drawn token."""
         if tokens.numel():
             _advance[(tokens.numel(),)](tokens, self.pool, self.meta, self.state, slots,
-                                        num_warps=1)
+                                        **launch(tokens.device, (tokens.numel(),)), num_warps=1)

@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dpu_frontend.model.layers.activation import swiglu
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 from dpu_frontend.model.layers.quant import FP8, Fp8Rows, Fp8Weight, Weight, quantize_rows
 
 
@@ -74,7 +75,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, p_ptr, xs_ptr, ws_ptr, M, N, K, K
                    stride_xm, stride_wn, stride_ym, stride_rm, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    SPREAD: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-                   RESIDUAL: tl.constexpr, SCALED: tl.constexpr):
+                   RESIDUAL: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     # Row blocks vary fastest, then the K splits where they are SPREAD over programs: the
     # programs that share a block of the weight run side by side, so a weight read once
     # from memory serves them from L2.
@@ -146,7 +148,8 @@ def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, K, K_
                        stride_ym, stride_rm, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                       SCALED: tl.constexpr):
+                       SCALED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     # _linear_kernel's sums, its K splits in one program, with the blocks brought in by
     # the tensor-memory accelerator (zero past the operands' edges, as the masked loads),
     # in a persistent grid of PROGRAMS (one a multiprocessor) that walk the output tiles
@@ -185,7 +188,9 @@ def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, K, K_
 @triton.jit
 def _split_sum_kernel(p_ptr, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, stride_ym, stride_rm,
                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr):
+                      GATED: tl.constexpr, RESIDUAL: tl.constexpr, SCALED: tl.constexpr,
+                      PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -445,13 +450,14 @@ def linear(x: torch.Tensor | Fp8Rows, weight: Weight, out_dtype: torch.dtype | N
     _linear_kernel[grid](x, w, y, r, part, xs, ws, m, n, k, k // splits, x.stride(0),
                          w.stride(0), y.stride(0), r.stride(0), BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, SPLIT=splits, SPREAD=spread,
-                         PRECISION=precision(x.dtype), **flags, num_warps=warps,
-                         num_stages=stages)
+                         PRECISION=precision(x.dtype), **flags, **launch(x.device, grid),
+                         num_warps=warps, num_stages=stages)
     if spread:
         sum_m, sum_n = 4, 256
-        _split_sum_kernel[(triton.cdiv(n, sum_n), triton.cdiv(m, sum_m))](
+        sums = (triton.cdiv(n, sum_n), triton.cdiv(m, sum_m))
+        _split_sum_kernel[sums](
             part, y, r, xs, ws, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
-            BLOCK_N=sum_n, **flags, num_warps=4)
+            BLOCK_N=sum_n, **flags, **launch(x.device, sums), num_warps=4)
     return y
 
 
@@ -495,5 +501,6 @@ def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch
     _linear_tma_kernel[(programs,)](x_desc, w_desc, y, r, xs, ws, m, n, k, k // splits,
                                     y.stride(0), r.stride(0), PROGRAMS=programs, BLOCK_M=bm,
                                     BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits,
-                                    PRECISION=precision(x.dtype), **flags, num_warps=warps,
-                                    num_stages=stages)
+                                    PRECISION=precision(x.dtype), **flags,
+                                    **launch(x.device, (programs,), persistent=True),
+                                    num_warps=warps, num_stages=stages)

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from dpu_frontend.model.layers.activation import swiglu
 from dpu_frontend.model.layers.linear import precision
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 
 
 class MoeTile(NamedTuple):
@@ -80,9 +81,11 @@ COMBINE_BLOCK = 512
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                  K_P2: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+                  K_P2: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                  PDL: tl.constexpr, EARLY: tl.constexpr):
     """One token: softmax over its experts' logits, the top k (the largest first; among
     equal probabilities the lowest id), their weights renormalized where NORM."""
+    dependent_start(PDL, EARLY)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -118,7 +121,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
         _route_kernel[(t,)](logits, ids, weights, experts, logits.stride(0), TOP_K=top_k,
                             K_P2=triton.next_power_of_2(top_k),
                             BLOCK_E=triton.next_power_of_2(experts), NORM=norm_topk_prob,
-                            num_warps=4)
+                            **launch(logits.device, (t,)), num_warps=4)
     return ids, weights
 
 
@@ -151,12 +154,13 @@ GROUP_CHUNK = 64
 @triton.jit
 def _group_kernel(ids_ptr, pairs_ptr, block_expert_ptr, n, num_blocks,
                   EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """One program: each expert's count of pairs, its run's start (the runs padded to
     whole blocks), each pair's place (its expert's start, plus the pairs of that expert
     before it), and each block's expert. Pairs are read in chunks of CHUNK; a chunk's
     [CHUNK, experts] one-hot matrix gives counts by its column sums and ranks by its
     running sums down the columns."""
+    dependent_start(PDL, EARLY)
     experts = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), dtype=tl.int32)
     for c0 in range(0, n, CHUNK):
@@ -197,7 +201,7 @@ def _group_in_one_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
     _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), pairs, block_expert, ids.numel(),
                         blocks, EXPERTS=num_experts,
                         E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                        CHUNK=GROUP_CHUNK, num_warps=4)
+                        CHUNK=GROUP_CHUNK, **launch(ids.device, (1,)), num_warps=4)
     return pairs, block_expert
 
 
@@ -226,10 +230,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, N, K, num
                      stride_am, stride_we, stride_wn, stride_ym, NUM_EXPERTS: tl.constexpr,
                      TOP_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """One block of one expert's pairs x one block of output columns: y[pair] = a[row]
     @ w[expert]^T, a's row the pair's token (GATHER) or the pair itself; GATED: w is
     [gate | up] of [2N, K] and y SwiGLU's."""
+    dependent_start(PDL, EARLY)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < NUM_EXPERTS:
@@ -278,16 +283,17 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, pairs: torch.Tensor,
         a, weight, y, pairs, block_expert, n, k, num_pairs, a.stride(0), weight.stride(0),
         weight.stride(1), y.stride(0), NUM_EXPERTS=experts, TOP_K=top_k, GATHER=gather,
         GATED=gated, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=MOE_BLOCK_K,
-        PRECISION=precision(a.dtype), num_warps=tile.warps, num_stages=tile.stages)
+        PRECISION=precision(a.dtype), **launch(a.device, grid), num_warps=tile.warps, num_stages=tile.stages)
     return y
 
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, ids_ptr, w_ptr, r_ptr, out_ptr, H, stride_y, stride_r,
                         stride_o, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """One token, a block of its columns: residual + its experts' outputs times their
     weights, in ascending expert id, each product and sum rounded to the model dtype."""
+    dependent_start(PDL, EARLY)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -330,7 +336,9 @@ def moe_mlp(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
                      tile=gate_up_tile)
     y = moe_gemm(inner, down, pairs, block_expert, n, top_k, gather=False, gated=False,
                  tile=down_tile)
-    _moe_combine_kernel[(t, triton.cdiv(hidden, COMBINE_BLOCK))](
+    grid = (t, triton.cdiv(hidden, COMBINE_BLOCK))
+    _moe_combine_kernel[grid](
         y, ids, weights, residual, out, hidden, y.stride(0), residual.stride(0), out.stride(0),
-        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK=COMBINE_BLOCK, num_warps=4)
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK=COMBINE_BLOCK,
+        **launch(y.device, grid), num_warps=4)
     return out

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 from dpu_frontend.model.layers.quant import FP8, Fp8Rows, fp8_scale, to_fp8
 
 
@@ -25,7 +26,8 @@ def rms_normalize(x, w, N, eps):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, s_ptr, N, stride_x, stride_y, eps,
-                     BLOCK: tl.constexpr, FP8_OUT: tl.constexpr):
+                     BLOCK: tl.constexpr, FP8_OUT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0)
@@ -75,6 +77,6 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, scale: to
     if m:
         _rms_norm_kernel[(m,)](rows, weight, y, scale, n, rows.stride(0), y.stride(0), eps,
                                BLOCK=triton.next_power_of_2(n), FP8_OUT=y.dtype == FP8,
-                               num_warps=NORM_WARPS)
+                               **launch(rows.device, (m,)), num_warps=NORM_WARPS)
 
 

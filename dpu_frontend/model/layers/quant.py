@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dpu_frontend.model.layers.pdl import dependent_start, launch
+
 #: e4m3's largest finite value: the amax of a row maps onto it.
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -108,7 +110,9 @@ def to_fp8(x, scale):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, y_ptr, s_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, y_ptr, s_ptr, K, stride_x, stride_y, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     # One program a row: its amax in one pass, its e4m3 values in a second.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -133,5 +137,6 @@ def quantize_rows(x: torch.Tensor) -> Fp8Rows:
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](x, y, scale, k, x.stride(0), y.stride(0),
-                                    BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=4)
+                                    BLOCK=min(4096, triton.next_power_of_2(k)),
+                                    **launch(x.device, (m,)), num_warps=4)
     return Fp8Rows(y, scale, x.dtype)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from dpu_frontend.model.layers.norm import NORM_WARPS, rms_normalize
+from dpu_frontend.model.layers.pdl import dependent_start, launch
 from dpu_frontend.model.layers.quant import FP8, cache_scales, fp8_scale, to_fp8
 
 
@@ -35,7 +36,8 @@ def _rotate(x, other, d, half, cos, sin):
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, cache_ptr, cache_slot_ptr,
                  stride_xt, stride_xh, stride_ct, stride_cb, stride_ch, stride_cs,
                  HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PAGE: tl.constexpr, TO_CACHE: tl.constexpr):
+                 PAGE: tl.constexpr, TO_CACHE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     t = tl.program_id(0)
     h = tl.arange(0, HEADS_P2)
     half = HEAD_DIM // 2
@@ -77,7 +79,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
                        x.stride(0), x.stride(1), cos.stride(0),
                        cache.stride(0), cache.stride(1), cache.stride(2),
                        HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), HEAD_DIM=dim,
-                       PAGE=cache.shape[2], TO_CACHE=to_cache, num_warps=4)
+                       PAGE=cache.shape[2], TO_CACHE=to_cache, **launch(x.device, (t,)), num_warps=4)
     return x
 
 
@@ -104,7 +106,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_
                          stride_t, stride_qt, stride_ct, stride_cb, stride_ch, stride_cs,
                          stride_sb, stride_sh, HQ: tl.constexpr, HKV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
-                         FP8_CACHE: tl.constexpr):
+                         FP8_CACHE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    dependent_start(PDL, EARLY)
     # One program per token and head: q heads, then k heads, then v heads (qkv's order).
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -184,7 +187,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.T
         v_cache, k_scales, v_scales, cache_slots, eps, dim, qkv.stride(0), q.stride(0),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scales.stride(0), k_scales.stride(1), HQ=heads, HKV=kv_heads, HEAD_DIM=dim,
-        PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=scales is not None, num_warps=NORM_WARPS)
+        PAGE=k_cache.shape[2], NORM=norm, FP8_CACHE=scales is not None,
+        **launch(qkv.device, (t, heads + 2 * kv_heads)), num_warps=NORM_WARPS)
     return q
 
 
