@@ -112,11 +112,13 @@ def constrain(runner: ModelRunner, batch: Batch, checked: CheckedAutomaton | Non
         runner.automata.attach(seq.slot, entry)
 
 
-def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int) -> Batch:
+def decode_batch(runner: ModelRunner, pool: BlockPool, size: int, context: int,
+                 temperature: float = 0.0) -> Batch:
     """``size`` sequences of ``context`` tokens, each decoding its own seeded random
     token: with one token for all, every row would route to the same experts of a
-    mixture, which would read 8 experts a layer at any batch."""
-    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    mixture, which would read 8 experts a layer at any batch. ``temperature`` > 0: each
+    draws at that temperature, seeded (the sampler's race), instead of greedily."""
+    params = SamplingParams(max_tokens=1 << 20, temperature=temperature, ignore_eos=True)
     generator = torch.Generator().manual_seed(size)
     ids = torch.randint(PROMPT_ID_LOW, min(PROMPT_ID_HIGH, runner.config.vocab_size),
                         (size, context + 1), generator=generator)
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of the GPU's memory in use once the KV cache is allocated "
                          "(the model peer's flag)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every sequence draws at this temperature, seeded (default 0: "
+                         "greedy, the argmax alone)")
     ap.add_argument("--constrained", action="store_true",
                     help="also time each batch with every sequence walking a structured "
                          "output's automaton (a JSON string's inside), alternated with the "
@@ -243,12 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         "weights read a step at batch 1, GB": round(weight_bytes / 1e9, 3),
         "context": args.context,
         "KV cache blocks": runner.num_blocks, "CUDA graphs": not args.eager,
+        "temperature": args.temperature,
     }
     checked = (json_string_automaton(config.vocab_size, config.eos_token_ids[0])
                if args.constrained else None)
     for size in args.batch:
         pool = BlockPool(runner.num_blocks, runner.options.block_size)
-        batch = decode_batch(runner, pool, size, args.context)
+        batch = decode_batch(runner, pool, size, args.context, args.temperature)
         times = step_times(runner, batch, args.iters)
         if checked is not None:
             # Alternated, so that both see the same machine.
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     record("model_step", figures)
     if args.profile:
         profile(runner, decode_batch(runner, BlockPool(runner.num_blocks, runner.options.block_size),
-                                     biggest, args.context))
+                                     biggest, args.context, args.temperature))
     return 0
 
 

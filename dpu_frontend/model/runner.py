@@ -80,7 +80,7 @@ class ModelRunner:
         self.num_blocks = o.num_blocks or self._blocks_that_fit(reserve)
         cache = self._kv_cache()
         self.model: Decoder = registry.decoder_class(c.architecture)(c, params, cache, o.max_model_len)
-        self.sampler = Sampler(c.vocab_size, o.vocab_limit, self.device)
+        self.sampler = Sampler(o.vocab_limit)
         self.slot_params = SlotParams(o.max_seqs, c.vocab_size)
         # One row more than the slots: the GPU scheduler's padding rows draw into it.
         rows = o.max_seqs + 1

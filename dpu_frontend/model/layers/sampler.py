@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from dpu_frontend.model.layers.race import race
 from dpu_frontend.model.metadata import SamplingRows
 
 # The reference's hash, applied to int64 tensors: the same operators, the same bits.
@@ -20,9 +21,7 @@ from dpu_frontend.model.sampling import (
     _GOLDEN,
     _MASK32,
     _STEP_ADD,
-    _TOKEN_MUL,
     GREEDY_BELOW,
-    U_MAX,
     fmix32,
 )
 from dpu_frontend.ring.layout import MAX_TOP_LOGPROBS
@@ -135,9 +134,7 @@ class Sampler:
     """``vocab_limit``: the ids that may be drawn (the tokenizer's; a model's vocabulary is
     padded past them); 0: every row of the logits."""
 
-    def __init__(self, vocab_size: int, vocab_limit: int, device: torch.device) -> None:
-        ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
-        self._token_key = (ids * _TOKEN_MUL) & _MASK32
+    def __init__(self, vocab_limit: int) -> None:
         self.vocab_limit = vocab_limit
 
     def step(self, logits: torch.Tensor, params: BatchParams, slots: torch.Tensor,
@@ -206,12 +203,9 @@ class Sampler:
         key = fmix32((p.step * _GOLDEN + _STEP_ADD) & _MASK32)
         key = fmix32(key ^ ((p.seed >> 32) & _MASK32))
         key = fmix32(key ^ (p.seed & _MASK32))
-        # fmix32 is typed for NumPy; given tensors it returns a tensor.
-        bits = cast(torch.Tensor, fmix32(key[:, None] ^ self._token_key[None, :]))
-        # At most U_MAX, as the reference's: a 1 would make a dropped token's 0 / 0 a NaN,
-        # which argmax takes.
-        u = (((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24).clamp_(max=float(U_MAX))
-        drawn = torch.argmax(probs / -torch.log(u), dim=-1)
+        # fmix32 is typed for NumPy; given tensors it returns a tensor. The race hashes
+        # each token's uniform from the row's key in one pass (layers.race).
+        drawn = race(probs, cast(torch.Tensor, key))
         return torch.where(p.temperature < GREEDY_BELOW, greedy, drawn)
 
     @staticmethod
