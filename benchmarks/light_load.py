@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ class Figure:
     events: int
     seconds: float
     cpu_s: float
+    #: The poll loop's cadence over the window: waits past the poll interval, and bursts
+    #: found at the end of one (dpu_frontend_peer_poll_cadence_total).
+    skips: float = 0.0
+    late: float = 0.0
 
     @property
     def us_per_event(self) -> float:
@@ -63,6 +68,18 @@ class Figure:
     @property
     def cores(self) -> float:
         return self.cpu_s / self.seconds
+
+
+async def cadence_counts(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The daemon's poll-cadence counters, by outcome (skip, late), summed over peers."""
+    counts = {"skip": 0.0, "late": 0.0}
+    async with session.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            found = re.match(r'dpu_frontend_peer_poll_cadence_total\{.*outcome="(\w+)".*\} (\S+)$',
+                             line)
+            if found:
+                counts[found.group(1)] += float(found.group(2))
+    return counts
 
 
 async def stream_load(url: str, streams: int, max_tokens: int, pid: int, settle: float,
@@ -88,11 +105,15 @@ async def stream_load(url: str, streams: int, max_tokens: int, pid: int, settle:
 
         tasks = [asyncio.create_task(one(i)) for i in range(streams)]
         await asyncio.sleep(settle)
+        before = await cadence_counts(session, url)
         t0, c0 = time.monotonic(), cpu_seconds(pid)
         counting.set()
         await asyncio.sleep(seconds)
         counting.clear()
-        figure = Figure(counted[0], time.monotonic() - t0, cpu_seconds(pid) - c0)
+        elapsed, cpu = time.monotonic() - t0, cpu_seconds(pid) - c0
+        after = await cadence_counts(session, url)
+        figure = Figure(counted[0], elapsed, cpu, after["skip"] - before["skip"],
+                        after["late"] - before["late"])
         done.set()
         for task in tasks:
             task.cancel()
@@ -101,7 +122,7 @@ async def stream_load(url: str, streams: int, max_tokens: int, pid: int, settle:
 
 
 def run_load(load: Load, peer_mode: str, step_ms: float, daemon_core: str, settle: float,
-             seconds: float) -> Figure:
+             seconds: float, daemon_args: tuple[str, ...] = ()) -> Figure:
     streams = load.streams
     rate = load.tokens_per_s
     peer_args = ["--max-sequences", str(max(256, streams)), "--resp-slots",
@@ -112,7 +133,7 @@ def run_load(load: Load, peer_mode: str, step_ms: float, daemon_core: str, settl
     tokens = int(rate * (settle + seconds) * 2) + 64 if rate else 1 << 20
     with running_stack("shm", tokens_per_s=0 if peer_mode == "step" else load.tokens_per_s,
                        peer_args=tuple(peer_args),
-                       serve_args=("--max-queued-requests", str(streams)),
+                       serve_args=("--max-queued-requests", str(streams), *daemon_args),
                        daemon_prefix=("taskset", "-c", daemon_core)) as stack:
         return asyncio.run(stream_load(stack.base_url, streams, tokens, stack.daemon.pid,
                                        settle, seconds))
@@ -128,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle", type=float, default=2.0)
     ap.add_argument("--daemon-core", default="0")
+    ap.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                    help="an argument more for the daemon (repeatable), e.g. "
+                         "--daemon-arg=--poll-cadence=off for the A/B of the poll cadence")
     ap.add_argument("--client-cores", default="1",
                     help="this process's (the clients') and the peer's")
     args = ap.parse_args(argv)
@@ -142,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     bare = run_load(Load(SATURATED_STREAMS, 0), "replay", args.step_ms, args.daemon_core,
-                    args.settle, args.seconds)
+                    args.settle, args.seconds, tuple(args.daemon_arg))
     figures: dict[str, object] = {
         "machine": f"{os.cpu_count()} cores", "daemon core": args.daemon_core,
-        "seconds measured": args.seconds,
+        "seconds measured": args.seconds, "daemon arguments": " ".join(args.daemon_arg),
         f"bare: saturated ({SATURATED_STREAMS} streams, unpaced peer), events/s":
             round(bare.events / bare.seconds),
         "bare: saturated, daemon us per event": round(bare.us_per_event, 1),
@@ -155,12 +179,14 @@ def run(args: argparse.Namespace) -> None:
     for load in args.loads:
         for mode in ("replay", "step"):
             f = run_load(load, mode, args.step_ms, args.daemon_core, args.settle,
-                         args.seconds)
+                         args.seconds, tuple(args.daemon_arg))
             name = (f"{load} (replay)" if mode == "replay"
                     else f"{load.streams} streams, a {args.step_ms:g} ms step")
             figures[f"{name}: events/s, daemon us per event (x saturated), share of a core"] = (
                 f"{f.events / f.seconds:.0f}, {f.us_per_event:.1f} "
                 f"({f.us_per_event / bare.us_per_event:.1f}x), {f.cores:.1%}")
+            figures[f"{name}: cadence skips/s, late bursts/s"] = (
+                f"{f.skips / f.seconds:.0f}, {f.late / f.seconds:.1f}")
     record("light_load", figures)
 
 

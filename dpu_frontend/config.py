@@ -141,6 +141,10 @@ class ServeConfig:
         "milliseconds, a shorter wait does not wait)"))
     idle_poll_interval_s: float = field(default=0.01, metadata=about(
         "seconds between response-ring polls with nothing in flight"))
+    poll_cadence: bool = field(default=True, metadata=about(
+        "learn the period at which a GPU peer's records come (its decode steps) and skip "
+        "the polls between its bursts, polling every poll interval again from just "
+        "before the next is due (on or off)"))
     connect_timeout_s: float = field(default=10.0, metadata=about(
         "seconds a peer's TCP connect, and each handshake message, may take"))
     # A peer is failed when its heartbeat stops or an RDMA operation does not

@@ -91,6 +91,13 @@ class Metrics:
         self.rdma_errors = Counter(PREFIX + "rdma_errors",
                                    "Failed RDMA operations by peer and opcode.",
                                    ["peer", "opcode"], registry=r)
+        self.poll_cadence = Counter(
+            PREFIX + "peer_poll_cadence",
+            "The poll loop's waits on a GPU peer's cadence, by peer and outcome: skip (a wait "
+            "past the poll interval, until just before the next burst of records is due) and "
+            "late (a burst already there when a skip ended: it may have waited up to the "
+            "skip; the cadence is learned again).",
+            ["peer", "outcome"], registry=r)
         self.reconnects = Counter(PREFIX + "peer_reconnects", "Reconnections to a GPU peer.",
                                   ["peer"], registry=r)
         self.bad_records = Counter(

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 
 from dpu_frontend.config import PeerAddress, ServeConfig
+from dpu_frontend.engine.cadence import Cadence
 from dpu_frontend.engine.request import RingRequest
 from dpu_frontend.engine.session import Connector, PeerSession, Session
 from dpu_frontend.errors import (
@@ -89,6 +90,8 @@ class PeerLink:
         self._requests: dict[int, RingRequest] = {}
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
+        self._skips = metrics.poll_cadence.labels(self._peer, "skip")
+        self._late = metrics.poll_cadence.labels(self._peer, "late")
         self._task: asyncio.Task[None] | None = None
         self._first: asyncio.Future[None] | None = None
         self._sessions = 0
@@ -274,14 +277,21 @@ class PeerLink:
     async def _poll(self, session: Session) -> None:
         """Poll forever; every way out is a ``PeerError``."""
         cfg, channel = self.config, session.channel
+        # Learned afresh each session: a restarted peer may step at another pace.
+        cadence = (Cadence(cfg.poll_interval_s, longest=max(cfg.poll_interval_s,
+                                                             cfg.peer_timeout_s / 4))
+                   if cfg.poll_cadence else None)
         try:
             while True:
                 records = await self._poll_once(session)
-                stalled = time.monotonic() - channel.heartbeat_at
+                now = time.monotonic()
+                if cadence is not None and cadence.polled(now, records):
+                    self._late.inc()
+                stalled = now - channel.heartbeat_at
                 if stalled > cfg.peer_timeout_s:
                     raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
                                     f"{stalled:.1f} s")
-                await self._pace(channel, busy=records > 0)
+                await self._pace(channel, cadence, now, busy=records > 0)
         except TransportError as exc:
             self.metrics.rdma_errors.labels(self._peer, exc.opcode).inc()
             raise
@@ -321,19 +331,29 @@ class PeerLink:
             self._dispatch(record, now)
         return len(records)
 
-    async def _pace(self, channel: DpuChannel, *, busy: bool) -> None:
+    async def _pace(self, channel: DpuChannel, cadence: Cadence | None, now: float, *,
+                    busy: bool) -> None:
         """Wait before the next poll: none after records (more may wait, but the handlers
-        run first), the poll interval while requests are open, else until one is
+        run first); while requests are open, the poll interval, or where the peer's
+        cadence says its next records are not due before then, until just before they
+        are (or a request is submitted or cancelled); with none open, until one is
         submitted or the idle interval passes (the heartbeat is still watched)."""
+        interval = self.config.poll_interval_s
         if busy:
             await asyncio.sleep(0)
-        elif self._requests or channel.queued:
-            await asyncio.sleep(self.config.poll_interval_s)
+            return
+        if self._requests or channel.queued:
+            wait = cadence.wait(now) if cadence is not None and not channel.queued else interval
+            if wait <= interval:
+                await asyncio.sleep(interval)
+                return
+            self._skips.inc()
         else:
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.idle_poll_interval_s):
-                    await self._wake.wait()
+            wait = self.config.idle_poll_interval_s
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self._wake.wait()
 
     def _dispatch(self, record: ResponseRecord, now: float) -> None:
         request = self._requests.get(record.request_id)

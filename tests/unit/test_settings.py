@@ -160,6 +160,8 @@ def test_serve_help_shows_each_dataclass_default(capsys: pytest.CaptureFixture[s
             assert doc(config_field).none and f"(default: {doc(config_field).none}) [{key}]" in text
         elif isinstance(default, tuple):
             assert f"(default {', '.join(map(str, default))}) [{key}]" in text
+        elif isinstance(default, bool):  # a value as the environment's: on, off, true...
+            assert f"(default {'on' if default else 'off'}) [{key}]" in text, key
         else:
             assert f"(default {default}) [{key}]" in text, key
 
