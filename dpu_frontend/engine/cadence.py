@@ -6,9 +6,9 @@ nothing. Each empty poll is a timer wake-up, an exchange with the peer and a pas
 the event loop: at 64 streams of a 20 ms step, most of the daemon's CPU. ``Cadence``
 watches the polls' outcomes (sans I/O: the caller passes the clock), and once the
 bursts have come at a steady period, it says how long the loop may wait after a burst:
-until one poll interval and the period's jitter before the next is due. From there
-the loop polls every interval again, so a burst that comes on time waits no longer
-than it did.
+until three poll intervals, the peer's jitter and a learned margin before the next is
+due. From there the loop polls every interval again, so a burst that comes on time
+waits no longer than it did.
 
 A burst is not always read in one poll: a peer may still be writing it (the
 reference peer's Python, on a busy core, writes a 256-record step over several
