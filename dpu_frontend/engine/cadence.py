@@ -57,6 +57,10 @@ class Cadence:
         self._starts: deque[float] = deque(maxlen=bursts + 1)
         #: How long each of the last bursts went on: from its start to its last records.
         self._spans: deque[float] = deque(maxlen=bursts)
+        #: How long the loop was busy with each of the last bursts: from its start to the
+        #: first poll after it that found nothing (the records handed out meanwhile).
+        self._busy: deque[float] = deque(maxlen=bursts)
+        self._opened = False  # a burst started, no poll since found nothing
         self._quiet = True  # the last poll found nothing
         self._last = float("-inf")  # the last poll that found records
         self._waited = False  # the wait before the coming poll was a skip
@@ -74,6 +78,9 @@ class Cadence:
         pace changed), the cadence is learned again."""
         waited, self._waited = self._waited, False
         if not records:
+            if self._opened:
+                self._busy.append(now - self._starts[-1])
+                self._opened = False
             self._quiet = True
             return False
         learned = self._learned
@@ -95,6 +102,7 @@ class Cadence:
             if self._starts:
                 self._spans.append(self._last - self._starts[-1])
             self._starts.append(now)
+            self._opened = True
             self._learned = self._period()
         self._quiet = False
         self._last = now
@@ -127,8 +135,11 @@ class Cadence:
         burst is not due before then."""
         learned = self._learned
         if (learned is None or not self._quiet
-                or now - self._starts[-1] < max(self._spans, default=0.0) + self.interval):
-            # No cadence, or the burst may not be over: the longest lasted this long.
+                or now - self._starts[-1] < max(self._spans, default=0.0) + self.interval
+                or max(self._busy, default=0.0) > learned[0] / 2):
+            # No cadence; or the burst may not be over: the longest lasted this long; or
+            # the bursts keep the loop busy half the period or more, where a wait saves
+            # little and a late wake-up of the loop would make it end past the next.
             return self.interval
         _, spread = learned
         # The next burst is published no earlier than it is due, less the peer's own

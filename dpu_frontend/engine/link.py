@@ -283,10 +283,12 @@ class PeerLink:
                    if cfg.poll_cadence else None)
         try:
             while True:
-                records = await self._poll_once(session)
-                now = time.monotonic()
-                if cadence is not None and cadence.polled(now, records):
+                records, polled_at = await self._poll_once(session)
+                # The poll's own time (its exchange's end, before its records were handed
+                # out): a burst's start, not the end of the work it made.
+                if cadence is not None and cadence.polled(polled_at, records):
                     self._late.inc()
+                now = time.monotonic()
                 stalled = now - channel.heartbeat_at
                 if stalled > cfg.peer_timeout_s:
                     raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
@@ -309,8 +311,9 @@ class PeerLink:
             log.exception("poll loop crashed")
             raise PeerError(f"internal error in the ring poll loop: {exc}") from exc
 
-    async def _poll_once(self, session: Session) -> int:
-        """One batch on the transport; each record to its request. Returns how many."""
+    async def _poll_once(self, session: Session) -> tuple[int, float]:
+        """One batch on the transport; each record to its request. Returns how many, and
+        when the exchange ended."""
         channel, transport = session.channel, session.transport
         # The deadline covers the RDMA operations only, not our own dispatching.
         async with asyncio.timeout(self.config.peer_timeout_s):
@@ -329,7 +332,7 @@ class PeerLink:
                 self.metrics.queue_time.observe(now - sent.submitted_at)
         for record in records:
             self._dispatch(record, now)
-        return len(records)
+        return len(records), now
 
     async def _pace(self, channel: DpuChannel, cadence: Cadence | None, now: float, *,
                     busy: bool) -> None:

@@ -172,6 +172,20 @@ def test_no_wait_begins_before_the_burst_is_over() -> None:
     assert cadence.wait(start + 0.0036) > INTERVAL
 
 
+def test_no_waits_where_the_bursts_keep_the_loop_busy_half_the_period() -> None:
+    """Bursts whose records take the loop 12 ms of a 20 ms step to hand out (1,000
+    streams on one worker): a wait would save little, and a loop that wakes late would
+    end it past the next burst. It polls every interval."""
+    cadence = Cadence(INTERVAL, bursts=4)
+    for step in range(6):
+        start = step * 0.020
+        cadence.polled(start, 1000)
+        cadence.polled(start + 0.012, 0)
+    learned = cadence.period()
+    assert learned is not None and learned[0] == pytest.approx(0.020)
+    assert cadence.wait(6 * 0.020 - 0.020 + 0.013) == INTERVAL
+
+
 def test_records_in_every_poll_are_one_burst() -> None:
     """Records poll after poll (a busy peer): one burst, no period, no skipping."""
     cadence = Cadence(INTERVAL, bursts=2)
