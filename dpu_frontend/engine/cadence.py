@@ -26,7 +26,11 @@ ending). If the pace changed (the steps got shorter, a prefill step ended),
 everything learned is forgotten and the cadence is learned again from ``bursts``
 bursts polled every interval: one such burst per change of pace. Records that come at
 no steady period (a peer pacing each stream on its own) never give a cadence, and the
-loop polls as before.
+loop polls as before. Nor does the loop wait where handing out a burst keeps it busy
+half the period or more (1,000 streams on one worker): a wait would save little there.
+
+A burst's start is its poll's exchange, taken before its records are handed out, so
+that the work a burst makes does not blur the starts.
 """
 
 from __future__ import annotations
