@@ -71,14 +71,15 @@ class Figure:
 
 
 async def cadence_counts(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The daemon's poll-cadence counters, by outcome (skip, late), summed over peers."""
-    counts = {"skip": 0.0, "late": 0.0}
+    """The daemon's poll-cadence counters, by outcome (skip, late), summed over peers:
+    the outcomes /metrics exports."""
+    counts: dict[str, float] = {}
     async with session.get(f"{url}/metrics") as resp:
         for line in (await resp.text()).splitlines():
             found = re.match(r'dpu_frontend_peer_poll_cadence_total\{.*outcome="(\w+)".*\} (\S+)$',
                              line)
             if found:
-                counts[found.group(1)] += float(found.group(2))
+                counts[found.group(1)] = counts.get(found.group(1), 0.0) + float(found.group(2))
     return counts
 
 

@@ -107,7 +107,7 @@ class Cadence:
                 self._spans.append(self._last - self._starts[-1])
             self._starts.append(now)
             self._opened = True
-            self._learned = self._period()
+            self._learn()
         self._quiet = False
         self._last = now
         return waited
@@ -119,19 +119,21 @@ class Cadence:
         to an interval more than the peer's own jitter."""
         return self._learned
 
-    def _period(self) -> tuple[float, float] | None:
+    def _learn(self) -> None:
+        """What the starts say now: the period and spread, and when the next is due."""
+        self._learned = None
         if len(self._starts) < (self._starts.maxlen or 0):
-            return None
+            return
         gaps = [b - a for a, b in itertools.pairwise(self._starts)]
         period = statistics.median(gaps)
         spread = max(abs(g - period) for g in gaps)
         if period < self.min_period or spread > self.jitter * period + self.interval:
-            return None
+            return
+        self._learned = period, spread
         # The earliest of what each start foretells: a peer that keeps to a clock makes
         # up a late step with an early one, and the late start alone would foretell late.
         n = len(self._starts)
         self._due = min(start + (n - i) * period for i, start in enumerate(self._starts))
-        return period, spread
 
     def wait(self, now: float) -> float:
         """Seconds to wait before the next poll, after one that found nothing while

@@ -5,26 +5,14 @@ steps and skips the polls between them, and every token still arrives."""
 from __future__ import annotations
 
 import asyncio
-import re
 
 import aiohttp
 from openai import AsyncOpenAI
 
+from benchmarks.light_load import cadence_counts
 from tests.stack import MODEL, Stack
 
 STACK = {"peer_args": ("--step-ms", "20", "--batch", "8")}
-
-
-async def cadence_counts(stack: Stack) -> dict[str, float]:
-    async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/metrics") as r:
-        text = await r.text()
-    counts = {}
-    for line in text.splitlines():
-        found = re.match(r'dpu_frontend_peer_poll_cadence_total\{.*outcome="(\w+)".*\} (\S+)$',
-                         line)
-        if found:
-            counts[found.group(1)] = float(found.group(2))
-    return counts
 
 
 async def test_the_poll_loop_learns_the_steps_and_loses_no_token(own_stack: Stack) -> None:
@@ -46,14 +34,16 @@ async def test_the_poll_loop_learns_the_steps_and_loses_no_token(own_stack: Stac
         assert text == full.choices[0].text
         return finish
 
-    before = await cadence_counts(stack)
+    async with aiohttp.ClientSession() as http:
+        before = await cadence_counts(http, stack.base_url)
     try:
         finishes = await asyncio.gather(*(one(i) for i in range(2)))
     finally:
         await client.close()
     assert finishes == ["length"] * 2
-    after = await cadence_counts(stack)
+    async with aiohttp.ClientSession() as http:
+        after = await cadence_counts(http, stack.base_url)
     assert set(after) == {"skip", "late"}
-    skips, late = (after[k] - before.get(k, 0.0) for k in ("skip", "late"))
+    skips, late = (after[k] - before[k] for k in ("skip", "late"))
     assert skips > 0 and late <= skips
     print(f"cadence: {skips:.0f} skips, {late:.0f} late bursts over 2 x 2 x 60 steps")
