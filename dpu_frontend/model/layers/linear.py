@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dpu_frontend.model.layers.activation import swiglu
-from dpu_frontend.model.layers.pdl import dependent_start, launch
+from dpu_frontend.model.layers.pdl import dependent_start, launch, multiprocessors
 from dpu_frontend.model.layers.quant import FP8, Fp8Rows, Fp8Weight, Weight, quantize_rows
 
 
@@ -459,11 +459,6 @@ def linear(x: torch.Tensor | Fp8Rows, weight: Weight, out_dtype: torch.dtype | N
             part, y, r, xs, ws, m, n, y.stride(0), r.stride(0), SPLIT=splits, BLOCK_M=sum_m,
             BLOCK_N=sum_n, **flags, **launch(x.device, sums), num_warps=4)
     return y
-
-
-@cache
-def multiprocessors(device: int) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @cache

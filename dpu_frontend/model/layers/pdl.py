@@ -62,7 +62,8 @@ def _enabled(device: int) -> bool:
 
 
 @cache
-def _multiprocessors(device: int) -> int:
+def multiprocessors(device: int) -> int:
+    """The streaming multiprocessors of CUDA device ``device``."""
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
@@ -74,5 +75,5 @@ def launch(device: torch.device, grid: tuple[int, ...], *,
     without the attribute."""
     index = device.index or 0
     on = device.type == "cuda" and _enabled(index) and not persistent
-    early = on and math.prod(grid) <= _multiprocessors(index)
+    early = on and math.prod(grid) <= multiprocessors(index)
     return {"PDL": on, "EARLY": early, "launch_pdl": on}
