@@ -18,11 +18,16 @@ reported beside the daemon's, so that neither passes for the model's limit.
 At each rate the peer's engine counters give the steps it took, their GPU time,
 and the bound of those very steps (``benchmarks.model_figures``): the same
 figures with either ``--scheduler``, beside the host's work per step (host) or
-the scheduler kernel's pass (gpu). Every bound is the model config's.
+the scheduler kernel's pass (gpu). Every bound is the model config's. With
+``--guided-regex`` every request is constrained (structured output, walked on the
+GPU); a regex whose end stays open (``[a-z ]+``: the end token is allowed, but the
+weights rarely pick it among so many) keeps the output lengths those of the run
+without, so the two runs' tokens/s compare.
 
     python -m benchmarks.sharegpt_lengths --out build/sharegpt-lengths.json   # with network
     python -m benchmarks.model_serving --lengths build/sharegpt-lengths.json --rates 4 16 64 inf
     python -m benchmarks.model_serving --model-config benchmarks/configs/qwen3-8b.json --scheduler gpu
+    python -m benchmarks.model_serving --rates inf --max-seqs 64 --guided-regex '[a-z ]+'
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model peer's flag: an FP8 KV cache (the bounds count it)")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="one more model-peer flag (repeat), e.g. --peer-arg=--no-overlap")
+    ap.add_argument("--guided-regex", metavar="REGEX",
+                    help="every request's answer within this regex (structured output, "
+                         "walked on the GPU): its cost against the same run without")
     ap.add_argument("--py-spy", type=Path, metavar="DIR",
                     help="sample the model peer with py-spy at each rate, into DIR")
     args = ap.parse_args(argv)
@@ -98,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
                    f"{statistics.mean(o for _, o in pairs):.0f} tokens",
         "daemon workers": args.workers, "load generator processes": args.clients,
         "max sequences per step": args.max_seqs, "model peer flags": " ".join(args.peer_arg),
+        "constraint": f"guided_regex {args.guided_regex!r}" if args.guided_regex else "none",
         "copy bandwidth (bare limit), GB/s": round(bandwidth / 1e9, 1),
         f"bound at batch {args.max_seqs}, output tokens/s":
             round(bound_tokens_per_s(config, pairs, args.max_seqs, bandwidth, precision)),
     }
     serve_args = ("--workers", str(args.workers), "--max-queued-requests", "10000",
                   *tokenizer.flags())
+
+    extra = {"guided_regex": args.guided_regex} if args.guided_regex else None
 
     def jobs(count: int) -> list[Job]:
         chosen = [rng.choice(pairs) for _ in range(count)]
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     with running_stack("shm", timeout=900, peer_command="model-peer", peer_args=peer_args,
                        serve_args=serve_args) as stack:
         peer, daemon = stack.peers[0].proc.pid, stack.daemon.pid
-        run(stack.base_url, jobs(8), float("inf"), clients=1)  # warm up
+        run(stack.base_url, jobs(8), float("inf"), clients=1, extra=extra)  # warm up
         for rate in args.rates:
             cpu0 = cpu_seconds(peer), cpu_seconds(daemon)
             engine0 = engine_counters(stack.peer_address())
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             spy = args.py_spy / f"peer-{name.split()[0]}.txt" if args.py_spy else None
             with py_spy(peer, spy):
                 done = run(stack.base_url, jobs(args.requests), rate, clients=args.clients,
-                           seed=rng.randrange(1 << 30))
+                           seed=rng.randrange(1 << 30), extra=extra)
             tokens = sum(r.tokens for r in done.results)
             figures |= summary(done, name, full_batch=args.max_seqs if rate == float("inf") else 0)
             figures |= engine_figures(name, config, engine0,
