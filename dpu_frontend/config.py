@@ -213,6 +213,10 @@ class ServeConfig:
     constraint_compile_timeout_s: float = field(default=20.0, metadata=about(
         "seconds a constraint may take to compile (a 400 past it; the compiler's process "
         "is restarted)"))
+    constraint_compiler_at_start: bool = field(default=True, metadata=about(
+        "start each worker's constraint compiler (a process of about 140 MB with a Qwen3 "
+        "vocabulary) when the worker starts, rather than on its first structured-output "
+        "request, which would wait the second or so it takes (on or off)"))
     # Worker processes sharing the HTTP port (SO_REUSEPORT), each with its own
     # channel and QP to every peer (the peers need as many channels).
     peer_secret_file: Path | None = field(default=None, metadata=about(

@@ -85,8 +85,12 @@ def running_stack(transport: str, *, mode: str = "replay", tokens_per_s: float =
         # loaded development machine. Failures in these tests are seen by the control
         # connection closing or a completion error; only the stalled-peer test
         # waits for this deadline.
+        # A worker's constraint compiler would start at once, and its vocabulary of
+        # 150K tokens is seconds of the guest's emulated CPU: the RDMA tests' daemons
+        # start it on first use.
         serve_args = ("--peer-timeout", str(VM_PEER_TIMEOUT_S), "--idle-poll-interval",
-                      str(VM_IDLE_POLL_S), *serve_args)
+                      str(VM_IDLE_POLL_S), "--constraint-compiler-at-start", "off",
+                      *serve_args)
         peer_pace = ["--tick", str(VM_TICK_S)]
     else:
         net = []

@@ -99,8 +99,8 @@ class Service:
                                             thread_name_prefix="tokenize")
         self._token_bytes: TokenBytes | None = None
         self._tokenizer = vocab.tokenizer  # shared by the tokenizer threads
-        # Structured output's compiler, started on first use (a process of its own, each
-        # compile bounded in time), waited on from a thread of its own: a schema's
+        # Structured output's compiler, started by warm_up or on first use (a process of
+        # its own, each compile bounded in time), waited on from a thread of its own: a schema's
         # seconds of compiling never hold up tokenization. One compile per constraint
         # at a time: requests that bring it meanwhile wait for that one.
         self._compile_executor = ThreadPoolExecutor(max_workers=1,
@@ -148,6 +148,33 @@ class Service:
         await asyncio.gather(*(loop.run_in_executor(self._executor, start)
                                for _ in range(threads)))
         _ = self.token_bytes  # built now rather than on the first request
+        if self.config.constraint_compiler_at_start and self.vocab.eos_token_ids:
+            # Not awaited: the worker serves meanwhile, and a first compile queues
+            # behind it on the compiler's thread.
+            self._compile_executor.submit(self._start_compiler)
+
+    @property
+    def compiler(self) -> CompilerProcess:
+        """Structured output's compiler (its process starts at ``warm_up`` or at the
+        first compile)."""
+        if self._compiler is None:
+            cfg = self.config
+            self._compiler = CompilerProcess(
+                self.vocab.source, self.vocab.eos_token_ids[0],
+                vocab_size=self.vocab.tokenizer.get_vocab_size(),
+                max_entries=cfg.constraint_cache_entries,
+                max_cached_bytes=cfg.constraint_cache_bytes,
+                max_automaton_bytes=cfg.max_automaton_bytes,
+                timeout_s=cfg.constraint_compile_timeout_s)
+        return self._compiler
+
+    def _start_compiler(self) -> None:
+        """The compiler's process started on its own thread, as a compile would; a
+        failure is logged, and the first compile tries again."""
+        try:
+            self.compiler.start()
+        except ConstraintError as exc:
+            log.warning("the constraint compiler did not start ahead of use: %s", exc)
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -223,16 +250,7 @@ class Service:
         if not self.vocab.eos_token_ids:
             raise RequestError("the tokenizer names no end token to end a constrained "
                                "answer with", param=spec.param, code="unsupported_parameter")
-        compiler = self._compiler
-        if compiler is None:
-            cfg = self.config
-            compiler = self._compiler = CompilerProcess(
-                self.vocab.source, self.vocab.eos_token_ids[0],
-                vocab_size=self.vocab.tokenizer.get_vocab_size(),
-                max_entries=cfg.constraint_cache_entries,
-                max_cached_bytes=cfg.constraint_cache_bytes,
-                max_automaton_bytes=cfg.max_automaton_bytes,
-                timeout_s=cfg.constraint_compile_timeout_s)
+        compiler = self.compiler
         key = spec.key(compiler.eos)
         future = self._compiling.get(key)
         if future is None:

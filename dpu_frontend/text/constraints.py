@@ -392,8 +392,18 @@ class CompilerProcess:
         """(automata, bytes) in the cache."""
         return self._cache.usage()
 
+    def start(self) -> None:
+        """Start the child now, with its vocabulary, rather than on the first compile;
+        a ``ConstraintError`` if it cannot be."""
+        with self._lock:
+            self._started("response_format")
+
+    @property
+    def running(self) -> bool:
+        return self._child is not None and self._child.is_alive()
+
     def _started(self, param: str) -> Any:
-        if self._child is not None and self._child.is_alive():
+        if self.running:
             return self._conn
         self._stop()
         context = multiprocessing.get_context("spawn")  # no fork of a threaded daemon

@@ -192,3 +192,21 @@ async def test_the_records_of_one_poll_go_out_in_one_write_and_their_delay_is_co
     count = front.metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_count")
     total = front.metrics.registry.get_sample_value("dpu_frontend_delivery_seconds_sum")
     assert count is not None and 1 <= count <= 4 and total is not None and 0 <= total < 5
+
+
+@pytest.mark.parametrize("at_start", [True, False], ids=["at-start", "on-first-use"])
+async def test_the_constraint_compiler_starts_with_the_worker_unless_told_not_to(
+        make_frontend: Factory, at_start: bool) -> None:
+    """``warm_up`` starts the compiler's process without waiting for it (the first
+    constrained request would otherwise wait for its start and vocabulary); with
+    ``constraint_compiler_at_start`` off, nothing starts until a compile does."""
+    front = await make_frontend(constraint_compiler_at_start=at_start)
+    service = front.service
+    try:
+        await service.warm_up()
+        # The start runs on the compiler's one thread: anything queued after it runs
+        # once it is done.
+        await asyncio.get_running_loop().run_in_executor(service._compile_executor, int)
+        assert (service._compiler is not None and service._compiler.running) == at_start
+    finally:
+        service.close()
