@@ -2,16 +2,17 @@
 daemon is saturated, in the same run (issue 26: CPU that grows with the work, not with
 the polling).
 
-One daemon worker pinned to ``--daemon-core`` over shm; the reference peer and this
-load generator on the other cores. For each load, ``streams`` streams of
-``tokens_per_s`` tokens/s each, from the peer in replay (each stream paced on its
-own) and in decode steps (``--step-ms``: every running stream a token a step, as a
-GPU's decode emits them). After a second to settle, the daemon's CPU (its process,
-from /proc) and the SSE events the clients received over ``--seconds``: microseconds
-per event and the share of a core. Then the bare figure: 256 streams from an
-unpaced peer (as fast as the ring takes), the daemon's microseconds per event at
-saturation. The issue's target: at 64 x 20 tokens/s, at most 3x the saturated
-figure and 5% of a core.
+One daemon worker pinned to ``--daemon-core`` over shm; the reference peer and this load
+generator on the other cores. For each load, ``streams`` streams of ``tokens_per_s``
+tokens/s each, from the peer in replay (each stream paced on its own from its start:
+streams opened together stay in step), in replay with the streams' starts spread over
+one token's period (out of step: records come one at a time, evenly, and no cadence can
+be learned), and in decode steps (``--step-ms``: every running stream a token a step, as
+a GPU's decode emits them). After a second to settle, the daemon's CPU (its process,
+from /proc) and the SSE events the clients received over ``--seconds``: microseconds per
+event and the share of a core. Then the bare figure: 256 streams from an unpaced peer
+(as fast as the ring takes), the daemon's microseconds per event at saturation. The
+issue's target: at 64 x 20 tokens/s, at most 3x the saturated figure and 5% of a core.
 
     python -m benchmarks.light_load                      # 64x20, 256x20, 1000x5
     python -m benchmarks.light_load --loads 64x20 --seconds 20
@@ -84,9 +85,10 @@ async def cadence_counts(session: aiohttp.ClientSession, url: str) -> dict[str, 
 
 
 async def stream_load(url: str, streams: int, max_tokens: int, pid: int, settle: float,
-                      seconds: float) -> Figure:
-    """Open ``streams`` streams, wait ``settle`` seconds, then count the events every
-    stream receives and the daemon's CPU over ``seconds``; close them all."""
+                      seconds: float, spread: float = 0.0) -> Figure:
+    """Open ``streams`` streams (their starts evenly over ``spread`` seconds), wait
+    ``settle`` seconds, then count the events every stream receives and the daemon's
+    CPU over ``seconds``; close them all."""
     counted = [0]
     counting = asyncio.Event()
     done = asyncio.Event()
@@ -95,6 +97,7 @@ async def stream_load(url: str, streams: int, max_tokens: int, pid: int, settle:
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
 
         async def one(i: int) -> None:
+            await asyncio.sleep(spread * i / streams)
             body = {"model": MODEL, "prompt": f"light {i}", "max_tokens": max_tokens,
                     "ignore_eos": True, "stream": True}
             async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -128,7 +131,7 @@ def run_load(load: Load, peer_mode: str, step_ms: float, daemon_core: str, settl
     rate = load.tokens_per_s
     peer_args = ["--max-sequences", str(max(256, streams)), "--resp-slots",
                  str(2 * max(256, streams))]
-    if peer_mode == "step":
+    if peer_mode == "step":  # else replay, in step or "staggered"
         peer_args += ["--step-ms", f"{step_ms:g}", "--batch", str(max(256, streams))]
         rate = 1000 / step_ms
     tokens = int(rate * (settle + seconds) * 2) + 64 if rate else 1 << 20
@@ -136,8 +139,9 @@ def run_load(load: Load, peer_mode: str, step_ms: float, daemon_core: str, settl
                        peer_args=tuple(peer_args),
                        serve_args=("--max-queued-requests", str(streams), *daemon_args),
                        daemon_prefix=("taskset", "-c", daemon_core)) as stack:
+        spread = 1 / load.tokens_per_s if peer_mode == "staggered" else 0.0
         return asyncio.run(stream_load(stack.base_url, streams, tokens, stack.daemon.pid,
-                                       settle, seconds))
+                                       settle, seconds, spread))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,11 +182,13 @@ def run(args: argparse.Namespace) -> None:
                   f"{TARGET_CORES:.0%} of a core at 64 x 20 tokens/s",
     }
     for load in args.loads:
-        for mode in ("replay", "step"):
+        for mode in ("replay", "staggered", "step"):
+            if mode == "staggered" and not load.tokens_per_s:
+                continue
             f = run_load(load, mode, args.step_ms, args.daemon_core, args.settle,
                          args.seconds, tuple(args.daemon_arg))
-            name = (f"{load} (replay)" if mode == "replay"
-                    else f"{load.streams} streams, a {args.step_ms:g} ms step")
+            name = (f"{load} ({'replay' if mode == 'replay' else 'replay, out of step'})"
+                    if mode != "step" else f"{load.streams} streams, a {args.step_ms:g} ms step")
             figures[f"{name}: events/s, daemon us per event (x saturated), share of a core"] = (
                 f"{f.events / f.seconds:.0f}, {f.us_per_event:.1f} "
                 f"({f.us_per_event / bare.us_per_event:.1f}x), {f.cores:.1%}")

@@ -293,7 +293,7 @@ class PeerLink:
                 if stalled > cfg.peer_timeout_s:
                     raise PeerError(f"GPU peer {self.address}: heartbeat stopped for "
                                     f"{stalled:.1f} s")
-                await self._pace(channel, cadence, now, busy=records > 0)
+                await self._pace(channel, cadence, now, records=records, polled_at=polled_at)
         except TransportError as exc:
             self.metrics.rdma_errors.labels(self._peer, exc.opcode).inc()
             raise
@@ -335,15 +335,20 @@ class PeerLink:
         return len(records), now
 
     async def _pace(self, channel: DpuChannel, cadence: Cadence | None, now: float, *,
-                    busy: bool) -> None:
-        """Wait before the next poll: none after records (more may wait, but the handlers
-        run first); while requests are open, the poll interval, or where the peer's
-        cadence says its next records are not due before then, until just before they
-        are (or a request is submitted or cancelled); with none open, until one is
-        submitted or the idle interval passes (the heartbeat is still watched)."""
+                    records: int, polled_at: float) -> None:
+        """Wait before the next poll. After records: until a poll interval from that
+        poll's exchange (its READs took everything published before them, so a record
+        waits no longer than after an empty poll), or none where they filled a quarter
+        of the ring (the peer may be waiting for the slots back), the handlers running
+        first either way. With requests open and no records: the poll interval, or
+        where the peer's cadence says its next records are not due before then, until
+        just before they are (or a request is submitted or cancelled). With none open:
+        until one is submitted or the idle interval passes (the heartbeat is still
+        watched)."""
         interval = self.config.poll_interval_s
-        if busy:
-            await asyncio.sleep(0)
+        if records:
+            backlog = records * 4 >= channel.layout.resp_slots
+            await asyncio.sleep(0 if backlog else max(0.0, polled_at + interval - now))
             return
         if self._requests or channel.queued:
             wait = cadence.wait(now) if cadence is not None and not channel.queued else interval

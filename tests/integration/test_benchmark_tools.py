@@ -74,7 +74,8 @@ def test_the_automaton_intake_benchmark_runs(monkeypatch: pytest.MonkeyPatch,
 
 def test_the_light_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """benchmarks.light_load for a moment: the saturated figure, then one load paced in
-    replay and in steps, each measured and recorded; this process's cores as before."""
+    replay (its streams in step and out of step) and in steps, each measured and
+    recorded; this process's cores as before."""
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results.jsonl")
     cores = os.sched_getaffinity(0)
     assert light_load.main(["--loads", "4x20", "--seconds", "0.5", "--settle", "0.3"]) == 0
@@ -82,6 +83,7 @@ def test_the_light_load_benchmark_runs(monkeypatch: pytest.MonkeyPatch, tmp_path
     entry = json.loads((tmp_path / "results.jsonl").read_text())
     assert entry["benchmark"] == "light_load"
     assert any(k.startswith("4 x 20 tokens/s (replay)") for k in entry)
+    assert any(k.startswith("4 x 20 tokens/s (replay, out of step)") for k in entry)
     assert any(k.startswith("4 streams, a 20 ms step") for k in entry)
 
 
