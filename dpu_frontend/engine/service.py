@@ -99,9 +99,9 @@ class Service:
                                             thread_name_prefix="tokenize")
         self._token_bytes: TokenBytes | None = None
         self._tokenizer = vocab.tokenizer  # shared by the tokenizer threads
-        # Structured output's compiler, started by warm_up or on first use (a process of
-        # its own, each compile bounded in time), waited on from a thread of its own: a schema's
-        # seconds of compiling never hold up tokenization. One compile per constraint
+        # Structured output's compiler, started by warm_up or on first use (a process
+        # of its own, each compile bounded in time), waited on from a thread of its
+        # own: a schema's seconds of compiling never hold up tokenization. One compile per constraint
         # at a time: requests that bring it meanwhile wait for that one.
         self._compile_executor = ThreadPoolExecutor(max_workers=1,
                                                     thread_name_prefix="constraints")
@@ -149,14 +149,15 @@ class Service:
                                for _ in range(threads)))
         _ = self.token_bytes  # built now rather than on the first request
         if self.config.constraint_compiler_at_start and self.vocab.eos_token_ids:
-            # Not awaited: the worker serves meanwhile, and a first compile queues
-            # behind it on the compiler's thread.
-            self._compile_executor.submit(self._start_compiler)
+            # Made here, on the loop's thread as every use is; started on the compiler's
+            # thread and not awaited: the worker serves meanwhile, and a first compile
+            # queues behind the start.
+            self._compile_executor.submit(self._start_compiler, self.compiler)
 
     @property
     def compiler(self) -> CompilerProcess:
         """Structured output's compiler (its process starts at ``warm_up`` or at the
-        first compile)."""
+        first compile). Made on the event loop's thread only."""
         if self._compiler is None:
             cfg = self.config
             self._compiler = CompilerProcess(
@@ -168,13 +169,16 @@ class Service:
                 timeout_s=cfg.constraint_compile_timeout_s)
         return self._compiler
 
-    def _start_compiler(self) -> None:
+    @staticmethod
+    def _start_compiler(compiler: CompilerProcess) -> None:
         """The compiler's process started on its own thread, as a compile would; a
         failure is logged, and the first compile tries again."""
         try:
-            self.compiler.start()
+            compiler.start()
         except ConstraintError as exc:
             log.warning("the constraint compiler did not start ahead of use: %s", exc)
+        except Exception:  # nobody awaits this: say it here
+            log.exception("the constraint compiler failed to start ahead of use")
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
