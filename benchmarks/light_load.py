@@ -6,8 +6,8 @@ One daemon worker pinned to ``--daemon-core`` over shm; the reference peer and t
 generator on the other cores. For each load, ``streams`` streams of ``tokens_per_s``
 tokens/s each, from the peer in replay (each stream paced on its own from its start:
 streams opened together stay in step), in replay with the streams' starts spread over
-one token's period (out of step: records come one at a time, evenly, and no cadence can
-be learned), and in decode steps (``--step-ms``: every running stream a token a step, as
+one token's period (out of step: records come one at a time, evenly, never in bursts of
+a stream each), and in decode steps (``--step-ms``: every running stream a token a step, as
 a GPU's decode emits them). After a second to settle, the daemon's CPU (its process,
 from /proc) and the SSE events the clients received over ``--seconds``: microseconds per
 event and the share of a core. Then the bare figure: 256 streams from an unpaced peer
