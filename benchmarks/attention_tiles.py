@@ -4,8 +4,9 @@ batches, against the bandwidth bound of reading every sequence's K and V once.
 As for the linear tiles, a tile configuration is a candidate only when its output
 is bit for bit the current one's. Candidates vary the tile's rows too: a decode tile has
 one query token, so rows beyond the KV group's query heads are padding. The split
-candidates (programs per tile and KV head, pages per chunk) change the reduction order,
-so their bits differ by construction: they are timed for the choice of the constants.
+candidates (programs per tile and KV head, pages per chunk) and the step candidates
+(pages a program's loop takes at once) change the reduction order, so their bits differ
+by construction: they are timed for the choice of the constants.
 The batch is decode-only (one query token per sequence, Qwen3-0.6B's 16 query and 8 KV
 heads of 128, or the heads of ``--model-config``), every sequence at ``--context``
 tokens (with ``--long``, the first at that many: one long context among short ones, as
@@ -32,14 +33,18 @@ from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers import attention
 
-#: Tile rows, warps, stages, splits, pages per chunk.
-Candidate = tuple[int, int, int, int, int]
+#: Tile rows, warps, stages, splits, pages per chunk, pages per step.
+Candidate = tuple[int, int, int, int, int, int]
 CURRENT: Candidate = (attention.ATTN_ROWS, attention.ATTN_WARPS, attention.ATTN_STAGES,
-                      attention.ATTN_SPLITS, attention.ATTN_CHUNK_PAGES)
+                      attention.ATTN_SPLITS, attention.ATTN_CHUNK_PAGES,
+                      attention.ATTN_STEP_PAGES)
 CANDIDATES: list[Candidate] = list(dict.fromkeys(
-    [(r, w, st, CURRENT[3], CURRENT[4])
+    [(r, w, st, *CURRENT[3:])
      for r, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
-    + [(*CURRENT[:3], sp, cp) for sp, cp in itertools.product((1, 4, 8, 16), (4, 8, 16))]))
+    + [(*CURRENT[:3], sp, cp, CURRENT[5])
+       for sp, cp in itertools.product((1, 4, 8, 16), (4, 8, 16))]
+    + [(CURRENT[0], w, st, *CURRENT[3:5], step)
+       for w, st, step in itertools.product((4, 8), (2, 3, 4), (1, 2, 4))]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[Candidate, float] = {}
         for c in CANDIDATES:
             run = partial(attention.paged_attention, q, k_cache, v_cache, *meta, outs[c],
-                          rows=c[0], warps=c[1], stages=c[2], splits=c[3], chunk_pages=c[4])
+                          rows=c[0], warps=c[1], stages=c[2], splits=c[3], chunk_pages=c[4],
+                          step_pages=c[5])
             try:
                 run()
             except Exception as exc:  # out of resources: not a candidate
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         base = outs[current]
         exact = {c: t for c, t in times.items() if torch.equal(outs[c], base)}
         best = min(exact, key=exact.__getitem__)
-        name = "{}r{}w{}s{}x{}p".format
+        name = "{}r{}w{}s{}x{}p{}st".format
         print(f"batch {n}: bound {bound_us:.1f} us per layer; " + "  ".join(
             f"{name(*c)} {t:.1f}{'' if c in exact else ' (inexact)'}" for c, t in times.items()))
         fastest = min(times, key=times.__getitem__)

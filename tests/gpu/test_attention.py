@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from dpu_frontend.model.layers.attention import ATTN_ROWS, paged_attention
+from dpu_frontend.model.layers.attention import ATTN_ROWS, ATTN_STEP_PAGES, paged_attention
 from dpu_frontend.model.layers.quant import FP8
 
 pytestmark = pytest.mark.gpu
@@ -101,18 +101,24 @@ MIXED = ([(c, 1) for c in (0, 1, 31, 255, 256, 257, 511, 700, 1023, 1024, 1800, 
          + [(0, 40), (250, 20), (500, 300), (1000, 3), (2040, 17), (3000, 64)])
 
 
+#: Pages a program's loop takes at once: the engine's, and the benchmark's candidates.
+STEPS = sorted({ATTN_STEP_PAGES, 1, 2, 4})
+
+
+@pytest.mark.parametrize("step", STEPS, ids=lambda n: f"{n}-page-steps")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_decodes_and_prompt_chunks_at_every_split_are_attention(fp8: bool) -> None:
+def test_decodes_and_prompt_chunks_at_every_split_are_attention(fp8: bool, step: int) -> None:
     """Each sequence's rows against float32 attention over the cache's values."""
     batch = Batch(MIXED, torch.Generator(device="cuda").manual_seed(SEED), fp8=fp8)
-    out = batch.run()
+    out = batch.run(step_pages=step)
     assert not out.isnan().any()
     for i in range(len(MIXED)):
         error = (batch.rows(out, i).float() - batch.reference(i)).abs().max().item()
         assert error < 0.03, (MIXED[i], error)
 
 
-def test_a_sequence_alone_gives_its_bits_in_a_batch_of_512() -> None:
+@pytest.mark.parametrize("step", STEPS, ids=lambda n: f"{n}-page-steps")
+def test_a_sequence_alone_gives_its_bits_in_a_batch_of_512(step: int) -> None:
     """A decode at each context (one to nine chunks), and a prompt chunk, alone and
     first or last among 511 others: the same bits."""
     gen = torch.Generator().manual_seed(SEED + 1)
@@ -126,4 +132,5 @@ def test_a_sequence_alone_gives_its_bits_in_a_batch_of_512() -> None:
             mine, theirs = alone.tables[0].long(), batch.tables[position, :alone.pages[0]].long()
             alone.k[mine], alone.v[mine] = batch.k[theirs], batch.v[theirs]
             alone.q.copy_(batch.rows(batch.q, position))
-            assert torch.equal(alone.run(), batch.rows(batch.run(), position)), (seq, position)
+            assert torch.equal(alone.run(step_pages=step),
+                               batch.rows(batch.run(step_pages=step), position)), (seq, position)

@@ -32,6 +32,12 @@ ATTN_ROWS = 16
 #: longer makes one program the step's critical path, and the bits stay the same.
 ATTN_CHUNK_PAGES = 8
 ATTN_SPLITS = 8
+#: Pages a program's loop takes in one step: their keys in one score tile and one
+#: softmax update. A chunk's pages are stepped through from its first, so the steps,
+#: like the chunks, sit at positions fixed by the query alone. Steps of 2 and 4 pages
+#: (more bytes in flight a program, half or a quarter of the serial steps) are
+#: ``benchmarks.attention_tiles``' candidates, not yet timed on a GPU: docs/gpu.md.
+ATTN_STEP_PAGES = 1
 #: The attention kernel's warps and pipeline stages (benchmarks/attention_tiles.py).
 ATTN_WARPS = 4
 ATTN_STAGES = 2
@@ -84,7 +90,7 @@ def _paged_attention_kernel(
     stride_ph, stride_table, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, CHUNK_PAGES: tl.constexpr,
-    FP8_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    STEP_PAGES: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """One tile's softmax over its chunks s, s + SPLITS, ... (s: the split), unnormalized:
     per row the running max m, the sum l and the weighted values acc, into ``part``
@@ -116,30 +122,43 @@ def _paged_attention_kernel(
         m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((ROWS,), dtype=tl.float32)
         acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
-        n = tl.arange(0, PAGE)
+        keys = tl.arange(0, STEP_PAGES * PAGE)
         pages = last // PAGE + 1
         for chunk in range(split, chunks, SPLITS):
-            for page in range(chunk * CHUNK_PAGES, tl.minimum((chunk + 1) * CHUNK_PAGES, pages)):
-                block = tl.load(tables_ptr + seq * stride_table + page).to(tl.int64)
-                base = block * stride_kb + kv_head * stride_kh
-                k = tl.load(k_ptr + base + n[:, None] * stride_ks + d[None, :])
+            end = tl.minimum((chunk + 1) * CHUNK_PAGES, pages)
+            for first_page in range(chunk * CHUNK_PAGES, end, STEP_PAGES):
+                if STEP_PAGES == 1:
+                    block = tl.load(tables_ptr + seq * stride_table + first_page).to(tl.int64)
+                    base = block * stride_kb + kv_head * stride_kh
+                    k_at = k_ptr + base + keys[:, None] * stride_ks + d[None, :]
+                    v_at = v_ptr + base + keys[:, None] * stride_ks + d[None, :]
+                    at = block * stride_sb + kv_head * stride_sh + keys
+                else:
+                    # Each key's page; a step past the tile's last page reads that page
+                    # again, its keys past every row's position (masked below).
+                    page = tl.minimum(first_page + keys // PAGE, pages - 1)
+                    block = tl.load(tables_ptr + seq * stride_table + page).to(tl.int64)
+                    base = block * stride_kb + kv_head * stride_kh + (keys % PAGE) * stride_ks
+                    k_at = k_ptr + base[:, None] + d[None, :]
+                    v_at = v_ptr + base[:, None] + d[None, :]
+                    at = block * stride_sb + kv_head * stride_sh + keys % PAGE
+                k = tl.load(k_at)
                 if FP8_KV:
-                    at = block * stride_sb + kv_head * stride_sh + n
                     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
                     s = s * tl.load(ks_ptr + at)[None, :] * scale
                 else:
                     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                key_pos = page * PAGE + n
+                key_pos = first_page * PAGE + keys
                 s = tl.where((key_pos[None, :] <= pos[:, None]) & valid[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 # Rows with nothing visible (padding rows, rows before this split's
-                # keys) keep m = -inf: guard the NaN. A page wholly past a row's
+                # keys) keep m = -inf: guard the NaN. A step wholly past a row's
                 # position leaves its m, l and acc bit for bit as they were.
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + base + n[:, None] * stride_ks + d[None, :])
+                v = tl.load(v_at)
                 if FP8_KV:
                     pv = p * tl.load(vs_ptr + at)[None, :]
                     acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype),
@@ -182,7 +201,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     q_start: torch.Tensor, q_len: torch.Tensor, ctx_start: torch.Tensor,
                     positions: torch.Tensor, out: torch.Tensor, *, rows: int = ATTN_ROWS,
                     warps: int = 0, stages: int = 0, splits: int = ATTN_SPLITS,
-                    chunk_pages: int = ATTN_CHUNK_PAGES, k_scale: torch.Tensor | None = None,
+                    chunk_pages: int = ATTN_CHUNK_PAGES, step_pages: int = ATTN_STEP_PAGES,
+                    k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> None:
     """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
 
@@ -192,8 +212,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group`` query tokens (``tile_seq``, ``tile_row``: the sequence and its first
     token), one program per tile, KV head and split (``ATTN_SPLITS``), then one per
     query token and head merges the splits. ``rows`` is the tile's height;
-    ``warps``, ``stages``, ``splits`` and ``chunk_pages`` override the module's
-    (benchmarks: other values give other bits). An FP8 cache comes with its scales,
+    ``warps``, ``stages``, ``splits``, ``chunk_pages`` and ``step_pages`` override the
+    module's (benchmarks: other values give other bits). An FP8 cache comes with its scales,
     ``k_scale`` and ``v_scale`` [blocks, Hkv, PAGE] (``KvCache``).
     """
     t, hq, dim = q.shape
@@ -202,6 +222,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have one dtype and one layout")
     scales = cache_scales(k_cache, k_scale, v_scale)
+    if chunk_pages % step_pages:
+        raise ValueError(f"a chunk of {chunk_pages} pages is not whole steps of {step_pages}")
     if tile_seq.shape[0] == 0:
         return
     part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)
@@ -213,7 +235,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(2), ks.stride(0), ks.stride(1), part.stride(0), part.stride(1),
         tables.stride(0), dim ** -0.5,
         GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
-        SPLITS=splits, CHUNK_PAGES=chunk_pages, FP8_KV=scales is not None,
+        SPLITS=splits, CHUNK_PAGES=chunk_pages, STEP_PAGES=step_pages, FP8_KV=scales is not None,
         **launch(q.device, (tile_seq.shape[0], hkv, splits)), num_warps=warps or ATTN_WARPS,
         num_stages=stages or ATTN_STAGES,
     )
