@@ -87,7 +87,7 @@ MODEL_RANKS: dict[str, int] = {
     "metadata": 0, "device": 0, "automata": 0,
     "layers": 1,
     "config": 2, "registry": 2, "checkpoint": 2, "gguf_checkpoint": 2, "weights": 2,
-    "models": 2,
+    "models": 2, "tensor_parallel": 2,
     "runner": 3, "graphs": 3, "engine": 3, "events": 3, "gpu_scheduler": 3, "publish": 3, "source": 3,
     "peer": 3,
 }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +30,33 @@ Shape = Callable[["ModelConfig"], tuple[int, ...]]
 INITS = ("linear", "norm")
 
 
+#: How an HF tensor is cut over the ranks of tensor parallelism (``tensor_parallel``):
+#: ``whole``: every rank holds all of it;
+#: ``q_heads``: rows by query heads (``head_dim`` rows a head), q_proj's;
+#: ``kv_heads``: rows by KV heads, k_proj's and v_proj's;
+#: ``qkv``: a fused [q | k | v] tensor (Phi-3's qkv_proj): each block as above;
+#: ``rows``: an even share of the rows (gate_proj, up_proj, an expert's);
+#: ``gate_up``: a fused [gate | up] tensor (Phi-3's gate_up_proj): each half as ``rows``;
+#: ``q_heads_in``: columns by query heads, o_proj's;
+#: ``columns``: an even share of the columns (down_proj, an expert's);
+#: ``vocab``: rows by vocabulary range, the LM head's.
+Split = Literal["whole", "q_heads", "kv_heads", "qkv", "rows", "gate_up", "q_heads_in",
+                "columns", "vocab"]
+SPLITS: tuple[Split, ...] = get_args(Split)
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One HF tensor of a parameter: its name (past ``model.layers.{n}.`` for a layer's)
-    and its shape."""
+    """One HF tensor of a parameter: its name (past ``model.layers.{n}.`` for a layer's),
+    its shape, and how tensor parallelism cuts it (``split``)."""
 
     hf: str
     shape: Shape
+    split: Split = "whole"
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"tensor {self.hf}: split {self.split!r} is not one of {SPLITS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +82,7 @@ class Param:
             return self.parts
         if config.moe is None:
             raise ValueError(f"parameter {self.name} is an expert's, the config has no experts")
-        return tuple(Part(part.hf.format(e=e), part.shape)
+        return tuple(Part(part.hf.format(e=e), part.shape, part.split)
                      for e in range(config.moe.num_experts) for part in self.parts)
 
     @property
@@ -140,40 +160,45 @@ def decoder_weights(*, qk_norm: bool, fused: bool = False, moe: bool = False) ->
     norms = (Param("q_norm", (Part("self_attn.q_norm.weight", head_dim),), "norm"),
              Param("k_norm", (Part("self_attn.k_norm.weight", head_dim),), "norm"))
     qkv = ((Part("self_attn.qkv_proj.weight",
-                 lambda c: (c.q_size + 2 * c.kv_size, c.hidden_size)),) if fused else
-           (Part("self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size)),
-            Part("self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size)),
-            Part("self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size))))
+                 lambda c: (c.q_size + 2 * c.kv_size, c.hidden_size), "qkv"),) if fused else
+           (Part("self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size), "q_heads"),
+            Part("self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size), "kv_heads"),
+            Part("self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size), "kv_heads")))
     gate_up = ((Part("mlp.gate_up_proj.weight",
-                     lambda c: (2 * c.intermediate_size, c.hidden_size)),) if fused else
-               (Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-                Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size))))
+                     lambda c: (2 * c.intermediate_size, c.hidden_size), "gate_up"),) if fused else
+               (Part("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "rows"),
+                Part("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "rows")))
     mlp: tuple[Param, ...] = (
         Param("gate_up", gate_up),
-        Param("down", (Part("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),)),
+        Param("down", (Part("mlp.down_proj.weight",
+                            lambda c: (c.hidden_size, c.intermediate_size), "columns"),)),
     )
     if moe:
         mlp = (
             Param("router", (Part("mlp.gate.weight", lambda c: (_moe(c).num_experts, c.hidden_size)),)),
             Param("experts_gate_up", (
-                Part("mlp.experts.{e}.gate_proj.weight", lambda c: (_moe(c).intermediate, c.hidden_size)),
-                Part("mlp.experts.{e}.up_proj.weight", lambda c: (_moe(c).intermediate, c.hidden_size))),
+                Part("mlp.experts.{e}.gate_proj.weight",
+                     lambda c: (_moe(c).intermediate, c.hidden_size), "rows"),
+                Part("mlp.experts.{e}.up_proj.weight",
+                     lambda c: (_moe(c).intermediate, c.hidden_size), "rows")),
                 experts=True),
             Param("experts_down", (
-                Part("mlp.experts.{e}.down_proj.weight", lambda c: (c.hidden_size, _moe(c).intermediate)),),
+                Part("mlp.experts.{e}.down_proj.weight",
+                     lambda c: (c.hidden_size, _moe(c).intermediate), "columns"),),
                 experts=True),
         )
     layer = (
         Param("input_norm", (Part("input_layernorm.weight", hidden),), "norm"),
         Param("qkv", qkv),
         *(norms if qk_norm else ()),
-        Param("o_proj", (Part("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size)),)),
+        Param("o_proj", (Part("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size),
+                              "q_heads_in"),)),
         Param("post_norm", (Part("post_attention_layernorm.weight", hidden),), "norm"),
         *mlp,
     )
     top = (
         Param(EMBED, (Part("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size)),)),
-        Param(HEAD, (Part("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size)),)),
+        Param(HEAD, (Part("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), "vocab"),)),
         Param("norm", (Part("model.norm.weight", hidden),), "norm"),
     )
     return WeightTable(layer, top)
