@@ -53,6 +53,11 @@ class Sliceable(Protocol):
 A = TypeVar("A", bound=Sliceable)
 
 
+def vocab_share(vocab: int, size: int) -> int:
+    """The LM head's rows a rank holds (the last rank, the rest)."""
+    return -(-vocab // size)
+
+
 def check(config: ModelConfig, size: int) -> None:
     """Refuse a split this engine cannot make (ValueError naming the field)."""
     if not 1 <= size <= MAX_SIZE:
@@ -70,7 +75,7 @@ def check(config: ModelConfig, size: int) -> None:
     if config.moe is not None and config.moe.intermediate % size:
         raise ValueError(f"moe_intermediate_size {config.moe.intermediate} is not a "
                          f"multiple of the tensor parallel size {size}")
-    share = -(-config.vocab_size // size)
+    share = vocab_share(config.vocab_size, size)
     if config.vocab_size - (size - 1) * share <= 0:
         raise ValueError(f"vocab_size {config.vocab_size} leaves the last of {size} ranks "
                          "no share of the LM head")
@@ -110,7 +115,7 @@ class Shard:
     @property
     def vocab(self) -> tuple[int, int]:
         """The token ids whose logits this rank computes: ``[first, end)``."""
-        share = -(-self.config.vocab_size // self.size)
+        share = vocab_share(self.config.vocab_size, self.size)
         return self.rank * share, min((self.rank + 1) * share, self.config.vocab_size)
 
     @property

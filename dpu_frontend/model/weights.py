@@ -17,6 +17,7 @@ from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.gguf_checkpoint import GgufCheckpoint
 from dpu_frontend.model.layers.quant import Fp8Weight, Weight, dequantize, quantize_weight
 from dpu_frontend.model.models.base import EMBED, HEAD, LAYER_PREFIX, Param, WeightTable
+from dpu_frontend.model.tensor_parallel import Shard
 
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -30,13 +31,16 @@ class Params:
 
     @classmethod
     def random(cls, table: WeightTable, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, seed: int, *, fp8: bool = False) -> Params:
+               device: torch.device, seed: int, *, fp8: bool = False,
+               shard: Shard | None = None) -> Params:
         """Seeded random weights built on the GPU: real arithmetic, gibberish text.
 
         Drawn parameter by parameter in the table's order, each packed parameter in one
         draw (the layers first, then the embedding, the head and the final norm), so a
         seed gives the same weights whatever reads them; ``fp8``: each layer's linear
-        weights quantized as they are drawn (the same draws as without).
+        weights quantized as they are drawn (the same draws as without). ``shard``: a
+        rank's cut of the same draws (tensor parallelism), so that a seed gives one
+        model whatever the number of ranks.
         """
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
@@ -48,31 +52,44 @@ class Params:
             t = torch.empty(shape, dtype=torch.float32, device=device)
             return t.normal_(mean, std, generator=gen).to(dtype)
 
+        def cut(param: Param, packed: torch.Tensor) -> torch.Tensor:
+            if shard is None:
+                return packed
+            rows = [part.shape(config)[0] for part in param.parts_for(config)]
+            return shard.take(param, list(packed.split(rows)), torch.cat).contiguous()
+
         store = _storage(fp8)
-        layers = [{p.name: store(p, draw(p)) for p in table.layer}
+        layers = [{p.name: store(p, cut(p, draw(p))) for p in table.layer}
                   for _ in range(config.num_layers)]
-        return cls(layers, _tied({p.name: draw(p) for p in table.top_params(config)}))
+        return cls(layers, _top({p.name: cut(p, draw(p)) for p in table.top_params(config)},
+                                shard))
 
     @classmethod
     def load(cls, table: WeightTable, checkpoint: Checkpoint | GgufCheckpoint, config: ModelConfig,
-             dtype: torch.dtype, device: torch.device, *, fp8: bool = False) -> Params:
+             dtype: torch.dtype, device: torch.device, *, fp8: bool = False,
+             shard: Shard | None = None) -> Params:
         """Every tensor copied from the mapped files to the device, in ``dtype``; a packed
         parameter's parts concatenated in the table's order; ``fp8``: each layer's linear
-        weights quantized as they arrive."""
+        weights quantized as they arrive. ``shard``: only a rank's rows and columns of
+        each tensor (tensor parallelism), cut from the mapped files before the copy."""
 
-        def get(name: str) -> torch.Tensor:
+        def host(name: str) -> torch.Tensor:
             ref = checkpoint.tensors[name]
-            host = torch.frombuffer(checkpoint.data(name), dtype=_TORCH_DTYPES[ref.dtype])
-            return host.view(ref.shape).to(device=device, dtype=dtype)
+            data = torch.frombuffer(checkpoint.data(name), dtype=_TORCH_DTYPES[ref.dtype])
+            return data.view(ref.shape)
 
         def param(prefix: str, p: Param) -> torch.Tensor:
-            parts = [get(prefix + part.hf) for part in p.parts_for(config)]
+            names = [prefix + part.hf for part in p.parts_for(config)]
+            if shard is not None:
+                cut = shard.take(p, [host(name) for name in names], torch.cat)
+                return cut.to(device=device, dtype=dtype).contiguous()
+            parts = [host(name).to(device=device, dtype=dtype) for name in names]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         store = _storage(fp8)
         layers = [{p.name: store(p, param(LAYER_PREFIX.format(n=n), p)) for p in table.layer}
                   for n in range(config.num_layers)]
-        return cls(layers, _tied({p.name: param("", p) for p in table.top_params(config)}))
+        return cls(layers, _top({p.name: param("", p) for p in table.top_params(config)}, shard))
 
     def state_dict(self, table: WeightTable, config: ModelConfig) -> dict[str, torch.Tensor]:
         """HF's names for these weights (the tests hand them to ``transformers``): each
@@ -104,6 +121,9 @@ def _storage(fp8: bool) -> Callable[[Param, torch.Tensor], Weight]:
     return store
 
 
-def _tied(top: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The head is the embedding itself when the config ties them (no tensor of its own)."""
-    return top if HEAD in top else top | {HEAD: top[EMBED]}
+def _top(top: dict[str, torch.Tensor], shard: Shard | None) -> dict[str, torch.Tensor]:
+    """The head is the embedding itself when the config ties them (no tensor of its own),
+    or a rank's rows of it."""
+    if HEAD in top:
+        return top
+    return top | {HEAD: top[EMBED] if shard is None else shard.tied_head(top[EMBED])}

@@ -45,20 +45,23 @@ PAGE = 32
 
 
 def prefill(model: Decoder, ids: list[int] | Any) -> Any:
-    """Every position's float32 logits after one prefill of ``ids`` from position 0."""
+    """Every position's float32 logits after one prefill of ``ids`` from position 0 (on
+    the device of the model's cache)."""
     t = len(ids)
     pages = -(-t // PAGE)
     rows = ATTN_ROWS // model.config.group_size
+    dev = model.cache.k.device
 
     def i32(values: list[int]) -> Any:
-        return torch.tensor(values, dtype=torch.int32)
+        return torch.tensor(values, dtype=torch.int32, device=dev)
 
-    attn = Attention(positions=torch.arange(t), cache_slots=torch.arange(t),
-                     tables=torch.arange(pages, dtype=torch.int32)[None],
-                     tile_seq=torch.zeros(-(-t // rows), dtype=torch.int32),
-                     tile_row=torch.arange(0, t, rows, dtype=torch.int32),
+    attn = Attention(positions=torch.arange(t, device=dev),
+                     cache_slots=torch.arange(t, device=dev),
+                     tables=torch.arange(pages, dtype=torch.int32, device=dev)[None],
+                     tile_seq=torch.zeros(-(-t // rows), dtype=torch.int32, device=dev),
+                     tile_row=torch.arange(0, t, rows, dtype=torch.int32, device=dev),
                      q_start=i32([0]), q_len=i32([t]), ctx_start=i32([0]))
-    return model.logits(model.forward(torch.as_tensor(ids), attn))
+    return model.logits(model.forward(torch.as_tensor(ids, device=dev), attn))
 
 
 #: The random models: two layers, GQA 2:1 at a head size of 64.

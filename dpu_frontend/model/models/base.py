@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from dpu_frontend.model.config import ModelConfig
     from dpu_frontend.model.layers.attention import Attention, KvCache
+    from dpu_frontend.model.layers.collective import TensorGroup
     from dpu_frontend.model.weights import Params
 
 Shape = Callable[["ModelConfig"], tuple[int, ...]]
@@ -386,7 +387,8 @@ class Decoder(Protocol):
 
 class DecoderClass(Protocol):
     """How the runner builds a model: its config, its weights, the KV cache, the longest
-    context (its rotary table's length)."""
+    context (its rotary table's length); under tensor parallelism, a rank's config and
+    weights (``tensor_parallel.Shard``) and its group (``layers.collective``)."""
 
     def __call__(self, config: ModelConfig, params: Params, cache: KvCache,
-                 max_position: int) -> Decoder: ...
+                 max_position: int, group: TensorGroup | None = None) -> Decoder: ...

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers.attention import Attention, KvCache, paged_attention
+from dpu_frontend.model.layers.collective import TensorGroup
 from dpu_frontend.model.layers.linear import linear
 from dpu_frontend.model.layers.norm import rms_norm, rms_norm_fp8
 from dpu_frontend.model.layers.quant import Fp8Rows, Fp8Weight, Weight
@@ -51,10 +52,15 @@ class Llama:
     layer_class: type[AttentionLayer] = Layer
 
     def __init__(self, config: ModelConfig, params: Params, cache: KvCache,
-                 max_position: int) -> None:
+                 max_position: int, group: TensorGroup | None = None) -> None:
         self.config = config
         self.params = params
         self.cache = cache
+        #: Tensor parallelism: this rank's ``config`` is its ``Shard.local_config`` and
+        #: ``params`` its cut (``tensor_parallel``); each layer's two projections back to
+        #: the hidden size give partial sums that ``group`` adds in rank order, the
+        #: residual carried by rank 0's; the head's logits are gathered by vocabulary.
+        self.group = group
         self.layers = [self.layer_class(**layer) for layer in params.layers]
         #: FP8 linear weights (``--quantization fp8``): the norms before them quantize the
         #: rows they make, in the same launch.
@@ -81,13 +87,25 @@ class Llama:
             paged_attention(q, k_cache[n], v_cache[n], attn.tables, attn.tile_seq, attn.tile_row,
                             attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o,
                             k_scale=k_scale, v_scale=v_scale)
-            h = linear(o.reshape(t, c.q_size), layer.o_proj, residual=h)
-            h = self._mlp(layer, self._norm(h, layer.post_norm), h)
+            h = self._reduce(linear(o.reshape(t, c.q_size), layer.o_proj,
+                                    residual=self._residual(h)))
+            h = self._reduce(self._mlp(layer, self._norm(h, layer.post_norm),
+                                       self._residual(h)))
         return h
 
+    def _residual(self, h: torch.Tensor) -> torch.Tensor | None:
+        """What a projection back to the hidden size adds to its product: ``h`` on one
+        GPU, and under tensor parallelism on rank 0 alone (the sum over ranks adds it
+        once)."""
+        return h if self.group is None or self.group.rank == 0 else None
+
+    def _reduce(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.group is None else self.group.all_reduce(h)
+
     def _mlp(self, layer: AttentionLayer, x: torch.Tensor | Fp8Rows,
-             residual: torch.Tensor) -> torch.Tensor:
-        """``residual`` + the MLP of the post-attention norm's rows ``x``."""
+             residual: torch.Tensor | None) -> torch.Tensor:
+        """``residual`` (where there is one) + the MLP of the post-attention norm's rows
+        ``x``."""
         assert isinstance(layer, Layer)
         return linear(linear(x, layer.gate_up, gated=True), layer.down, residual=residual)
 
@@ -98,4 +116,7 @@ class Llama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the given rows."""
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return linear(x, self.lm_head, out_dtype=torch.float32)
+        logits = linear(x, self.lm_head, out_dtype=torch.float32)
+        if self.group is None:
+            return logits
+        return self.group.gather_columns(logits, self.config.vocab_size)

@@ -13,6 +13,7 @@ import torch
 
 from dpu_frontend.model.config import ModelConfig
 from dpu_frontend.model.layers.attention import KvCache
+from dpu_frontend.model.layers.collective import TensorGroup
 from dpu_frontend.model.layers.linear import linear
 from dpu_frontend.model.layers.moe import moe_mlp
 from dpu_frontend.model.layers.quant import Fp8Rows
@@ -34,17 +35,19 @@ class Qwen3Moe(Qwen3):
     layer_class = MoeLayer
 
     def __init__(self, config: ModelConfig, params: Params, cache: KvCache,
-                 max_position: int) -> None:
-        super().__init__(config, params, cache, max_position)
+                 max_position: int, group: TensorGroup | None = None) -> None:
+        super().__init__(config, params, cache, max_position, group)
         if config.moe is None:
             raise ValueError("Qwen3-MoE needs a config with experts")
         self.moe = config.moe
 
     def _mlp(self, layer: AttentionLayer, x: torch.Tensor | Fp8Rows,
-             residual: torch.Tensor) -> torch.Tensor:
+             residual: torch.Tensor | None) -> torch.Tensor:
         assert isinstance(layer, MoeLayer) and isinstance(x, torch.Tensor)
         m = self.moe
         experts, hidden = m.num_experts, self.config.hidden_size
+        # The experts' sum adds a residual: a rank after the first adds zeros.
         return moe_mlp(x, linear(x, layer.router), layer.experts_gate_up.view(experts, -1, hidden),
-                       layer.experts_down.view(experts, hidden, m.intermediate), residual,
-                       m.top_k, m.norm_topk_prob)
+                       layer.experts_down.view(experts, hidden, m.intermediate),
+                       torch.zeros_like(x) if residual is None else residual, m.top_k,
+                       m.norm_topk_prob)
