@@ -2,7 +2,8 @@
 ``linear`` (and its tiles), ``norm`` (RMSNorm), ``rope`` (the rotary table and
 kernel), ``attention`` (paged attention and its step metadata), ``activation``
 (SwiGLU), ``moe`` (a mixture of experts' router, grouped products and sum),
-``quant`` (FP8), ``sampler`` (the draw, on the GPU).
+``quant`` (FP8), ``sampler`` (the draw, on the GPU), ``collective`` (tensor
+parallelism's sums over ranks, in rank order).
 
 Every kernel here is **batch-invariant**: a row's result does not depend on
 how many other rows share the launch or where it sits among them. Each output
