@@ -12,7 +12,8 @@ bucket (CUDA events around a graph of ``--reps`` launches, median of
 product) in the same run, beside the bound: the weight's bytes over the copy
 bandwidth measured in the same run. Each launch reads another copy of the
 weight, enough copies to overflow L2, as a model's layers do. Candidates load by
-pointers or by the TMA (names ending in ``t``); with ``--splits``, the splits
+pointers or by the TMA (names ending in ``t``, ``tw`` where the loop is
+warp-specialized); with ``--splits``, the splits
 run in one program or spread over programs (``s``), all against the bits of the
 reference tile in the same split. With ``--fp8``, the decoder layers' linears run
 as ``--quantization fp8`` runs them (FP8 weights and rows, the FP8 tables and
@@ -48,18 +49,19 @@ from dpu_frontend.model.layers.quant import FP8, Fp8Rows, Fp8Weight, quantize_ro
 
 #: Past 128 rows: tiles that read the weight once for 128-256 rows, or that put more
 #: programs on the GPU, 64 or 128 deep in K; by pointers, or by the TMA in a persistent
-#: grid.
+#: grid, its loop as one stream of instructions or warp-specialized (``Tile.ws``).
+LARGE_TMA: list[Tile] = [Tile(bm, bn, bk, w, s, tma=True) for bm, bn, bk, w, s in (
+    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+    (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3),
+    (128, 64, 128, 8, 3))]
 LARGE: list[Tile] = (
     [Tile(bm, bn, 64, w, s) for bm, bn, w in ((128, 128, 8), (128, 256, 8), (256, 128, 8))
      for s in (3, 4)]
     + [Tile(64, 64, 64, 4, 4), Tile(64, 32, 128, 4, 5), Tile(64, 64, 128, 4, 5),
        Tile(64, 64, 128, 4, 4), Tile(64, 128, 128, 4, 3), Tile(64, 128, 128, 4, 4),
        Tile(128, 64, 128, 4, 4), Tile(128, 128, 128, 8, 3)]
-    + [Tile(bm, bn, bk, w, s, tma=True) for bm, bn, bk, w, s in (
-        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4),
-        (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-        (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 128, 8, 3),
-        (128, 64, 128, 8, 3))])
+    + LARGE_TMA + [t._replace(ws=True) for t in LARGE_TMA])
 #: Candidate tiles per row-count bucket (linear.M_BUCKETS): narrow tiles deep in K for
 #: a few rows (enough programs to stream the weight), tall ones for many.
 CANDIDATES: tuple[list[Tile], ...] = (

@@ -118,12 +118,13 @@ def test_a_k_split_is_fixed_by_shape_and_batch_invariant(split: int) -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="the TMA takes a Hopper GPU or later")
+@pytest.mark.parametrize("ws", [False, True], ids=["one-stream", "warp-specialized"])
 @pytest.mark.parametrize("gated", [False, True])
-def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool) -> None:
+def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool, ws: bool) -> None:
     """Output columns that end inside a block (a gated block's gate rows past N read as
     zeros, not as up rows), a K that ends inside a block, and a weight whose rows are
     padded: each TMA tile gives the reference tile's bits, where it fits in shared
-    memory."""
+    memory, its loop as one stream or warp-specialized (``Tile.ws``)."""
     gen = torch.Generator(device="cuda").manual_seed(15)
     out_n, k = 100, 520
     rows = 2 * out_n if gated else out_n
@@ -132,7 +133,7 @@ def test_tma_tiles_at_ragged_edges_are_the_reference_bit_for_bit(gated: bool) ->
         x = torch.randn((300, k), generator=gen, device="cuda").to(torch.bfloat16)
         assert linear.tma_fits(x, w)
         ran = 0
-        for tile in TMA_TILES:
+        for tile in (t._replace(ws=ws) for t in TMA_TILES):
             for m in (1, 65, 300):
                 reference = linear.linear(x[:m], w, gated=gated, tile=linear.REFERENCE_TILE)
                 try:

@@ -148,18 +148,22 @@ def _linear_tma_kernel(x_desc, w_desc, y_ptr, r_ptr, xs_ptr, ws_ptr, M, N, K, K_
                        stride_ym, stride_rm, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                       SCALED: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                       SCALED: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
+                       EARLY: tl.constexpr):
     dependent_start(PDL, EARLY)
     # _linear_kernel's sums, its K splits in one program, with the blocks brought in by
     # the tensor-memory accelerator (zero past the operands' edges, as the masked loads),
     # in a persistent grid of PROGRAMS (one a multiprocessor) that walk the output tiles
     # row blocks fastest. A gated weight is read as [2, N, K]: one load brings a block's
     # gate rows and its up rows, and one MMA twice as wide sums both ([gate | up] columns
-    # of the accumulator).
+    # of the accumulator). WS: the loop warp-specialized (Triton's partition of the TMA
+    # loads and the MMAs into warps of their own), its tiles' loops kept apart.
     WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    FLATTEN: tl.constexpr = not WS
     num_m = tl.cdiv(M, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WS):
         pid_m = tile % num_m
         pid_n = tile // num_m
         total = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
@@ -215,7 +219,9 @@ class Tile(NamedTuple):
     grid (``_linear_tma_kernel``; Hopper on), else by pointers, a program per block.
     ``spread``: a shape's K splits (``SPLIT_K``) run in programs of their own, their
     float32 sums added by a second kernel (pointers only), else one after the other in
-    one program. Neither changes a bit."""
+    one program. ``ws``: a TMA tile's loop warp-specialized (loads and MMAs in warps of
+    their own, as cuBLAS's Hopper kernels run them; ``benchmarks.linear_tiles``'
+    candidates, in no table yet). None changes a bit."""
 
     block_m: int
     block_n: int
@@ -224,9 +230,10 @@ class Tile(NamedTuple):
     stages: int
     tma: bool = False
     spread: bool = False
+    ws: bool = False
 
     def __str__(self) -> str:
-        return ("x".join(map(str, self[:5])) + ("t" if self.tma else "")
+        return ("x".join(map(str, self[:5])) + ("t" if self.tma else "") + ("w" if self.ws else "")
                 + ("s" if self.spread else ""))
 
 
@@ -496,6 +503,6 @@ def _linear_tma(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, r: torch
     _linear_tma_kernel[(programs,)](x_desc, w_desc, y, r, xs, ws, m, n, k, k // splits,
                                     y.stride(0), r.stride(0), PROGRAMS=programs, BLOCK_M=bm,
                                     BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits,
-                                    PRECISION=precision(x.dtype), **flags,
+                                    PRECISION=precision(x.dtype), **flags, WS=tile.ws,
                                     **launch(x.device, (programs,), persistent=True),
                                     num_warps=warps, num_stages=stages)
