@@ -49,7 +49,9 @@ class Twin:
 
     def __init__(self, build_dir: Path, *, max_seqs: int, max_batched_tokens: int,
                  max_model_len: int, block_size: int, num_blocks: int, per_tile: int,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, serial: bool = False) -> None:
+        #: The core schedules by its one-thread loop alone, not as the kernel does.
+        self.serial = serial
         self.py = Scheduler(BlockPool(num_blocks, block_size), max_seqs=max_seqs,
                             max_batched_tokens=max_batched_tokens, max_model_len=max_model_len)
         self.page, self.per_tile = block_size, per_tile
@@ -107,7 +109,7 @@ class Twin:
         for c, n in enumerate(credits):
             self.c.set_credit(c, n)
         batch = self.py.schedule(room)
-        got = self.c.schedule()
+        got = self.c.schedule(serial=self.serial)
         ids = {e: s for s, e in self.entry.items()}
         assert [(ids[int(e)], int(s), int(n), bool(k)) for e, s, n, k in got.works] == [
             (w.seq.seq_id, w.start, w.count, w.sample) for w in batch.works]
@@ -170,8 +172,12 @@ def workload(twin: Twin, rng: random.Random, ops: int) -> Iterator[None]:
         yield
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["as-the-kernel", "serial-loop"])
 @pytest.mark.parametrize("seed", range(24))
-def test_the_core_makes_the_python_schedulers_decisions(build_dir: Path, seed: int) -> None:
+def test_the_core_makes_the_python_schedulers_decisions(build_dir: Path, seed: int,
+                                                        serial: bool) -> None:
+    """As the kernel schedules (the decodes spread over threads where a step allows, in
+    loops here) and by the one-thread loop alone."""
     rng = random.Random(seed)
     page = rng.choice([1, 2, 4, 16])
     max_model_len = rng.choice([8, 24, 64, 130])
@@ -179,7 +185,7 @@ def test_the_core_makes_the_python_schedulers_decisions(build_dir: Path, seed: i
     twin = Twin(build_dir, max_seqs=rng.choice([1, 2, 3, 5, 8]),
                 max_batched_tokens=rng.choice([1, 3, 8, 32, 64]), max_model_len=max_model_len,
                 block_size=page, num_blocks=rng.choice([blocks, blocks + 1, 2 * blocks, 8 * blocks]),
-                per_tile=rng.choice([1, 2, 3, 8]))
+                per_tile=rng.choice([1, 2, 3, 8]), serial=serial)
     try:
         for _ in workload(twin, rng, 600):
             pass
@@ -203,6 +209,33 @@ def test_the_workloads_reach_preemption_holds_and_every_graph(build_dir: Path) -
                 graphs.add(twin.c.graph_for())
         assert twin.preemptions > 0 and twin.held_steps > 0 and twin.steps > 100
         assert len(graphs - {NO_GRAPH}) >= 4
+        # The decodes ran spread in some steps, and by the serial loop in others (a
+        # preemption, a ring without room for every decode).
+        assert 0 < twin.c.spread_steps < twin.steps
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_full_batch_of_hundreds_is_scheduled_as_the_python_scheduler_does(
+        build_dir: Path, seed: int) -> None:
+    """Batches of hundreds of sequences, as the GPU runs them: the spread decodes' sums
+    over many sequences and blocks, a pool tight enough to preempt at times."""
+    rng = random.Random(100 + seed)
+    twin = Twin(build_dir, max_seqs=256, max_batched_tokens=512, max_model_len=96,
+                block_size=8, num_blocks=rng.choice([700, 1100, 2600]), per_tile=8,
+                capacity=512)
+    peak = 0
+    try:
+        for step in range(400):
+            # Arrivals faster than the batch drains, then slower.
+            for _ in range(rng.randint(0, 40 if step < 100 else 8)):
+                if len(twin.seqs) < 500:
+                    twin.add(rng.randint(1, 40), rng.randint(1, 50), rng.randrange(-1, CHANNELS))
+            credits = [rng.choice([16, 1 << 40, 1 << 40]) for _ in range(CHANNELS)]
+            twin.step(credits, rng)
+            peak = max(peak, len(twin.py.running))
+        assert peak >= 150 and 0 < twin.c.spread_steps < twin.steps
     finally:
         twin.close()
 

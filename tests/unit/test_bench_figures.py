@@ -223,14 +223,15 @@ def test_only_numbers_are_counters() -> None:
                            "flag": True}) == {"steps": 3, "gpu_s": 0.75, "new": 7}
 
 
-def test_the_stats_mirror_ends_with_the_automata_counters() -> None:
+def test_the_stats_mirror_ends_with_the_automata_and_schedule_counters() -> None:
     """Added at the end (test_c_header holds every offset against the header): the
-    context tokens, then structured output's counters; the variants' array before them
-    has five entries (the constrained sampler graphs)."""
-    assert [name for name, _ in ModelStats._fields_[-5:]] == [
+    context tokens, structured output's counters, then the schedules whose decodes ran
+    spread; the variants' array before them has five entries (the constrained sampler
+    graphs)."""
+    assert [name for name, _ in ModelStats._fields_[-6:]] == [
         "context_tokens", "constrained", "automata_copied", "automata_evicted",
-        "automata_refused"]
-    assert ModelStats.context_tokens.offset == 184 and ctypes.sizeof(ModelStats) == 224
+        "automata_refused", "spread_schedules"]
+    assert ModelStats.context_tokens.offset == 184 and ctypes.sizeof(ModelStats) == 232
 
 
 def test_the_serving_benchmark_hands_its_config_and_scheduler_to_the_peer(

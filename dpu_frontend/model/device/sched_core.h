@@ -5,9 +5,10 @@
  * engine's), decision for decision, and the same step metadata as
  * dpu_frontend/model/metadata.py writes into a captured step graph's static
  * inputs. It is written once for both sides (DPUF_SCHED_FN): the GPU scheduler
- * kernel (scheduler.cu) runs it on one thread, and CI builds it for the host
- * (sched_host.c) and holds it to the Python scheduler in property tests
- * (tests/model/test_sched_core.py).
+ * kernel (scheduler.cu) runs it on one thread (its decodes spread over the
+ * block where a step allows: dpuf_sched_schedule_spread), and CI builds it for
+ * the host (sched_host.c) and holds it to the Python scheduler in property
+ * tests (tests/model/test_sched_core.py).
  *
  * Each step the scheduler spends a token budget:
  *   1. every running sequence whose prompt is done decodes one token; one
@@ -354,13 +355,16 @@ DPUF_SCHED_FN int32_t dpuf_sched_chunk(dpuf_sched *s, int32_t e, int32_t budget,
     return count;
 }
 
-/* The next step's batch: works, admitted, preempted; `credits` (set by the
- * caller before) bound each channel's sampling sequences. */
-DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
-    int32_t budget = s->c.max_batched_tokens;
+/* A step's schedule in its three parts, each taking the token budget left and
+ * returning what it leaves. dpuf_sched_begin empties the last step's batch. */
+DPUF_SCHED_FN int32_t dpuf_sched_begin(dpuf_sched *s) {
     s->n_works = s->n_admitted = s->n_preempted = 0;
     s->held = 0;
-    /* 1. decodes, over the running list as it was (preemption shortens it) */
+    return s->c.max_batched_tokens;
+}
+
+/* 1. decodes, over the running list as it was (preemption shortens it) */
+DPUF_SCHED_FN int32_t dpuf_sched_decodes(dpuf_sched *s, int32_t budget) {
     int32_t n = s->n_running;
     for (int32_t i = 0; i < n; i++) s->scratch[i] = s->running[i];
     for (int32_t i = 0; i < n && budget > 0; i++) {
@@ -379,13 +383,39 @@ DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
             budget -= 1;
         }
     }
-    /* 2. prefill chunks of running sequences */
+    return budget;
+}
+
+/* Per index of the running list, what part 1 does with it where nothing is
+ * preempted and every ring has room (dpuf_sched_decode_need), and whether a
+ * sequence has prompt left for part 2. */
+typedef struct dpuf_sched_need {
+    int32_t decode;  /* running[i] decodes this step */
+    int32_t blocks;  /* the pool's blocks its next position takes */
+    int32_t prefill; /* it has prompt left: a chunk in part 2 */
+    int32_t channel; /* whose ring room its decode takes; -1: none */
+} dpuf_sched_need;
+
+/* 2. prefill chunks of running sequences. `needs`: the running list's, taken
+ * before part 1 spread its decodes (which leave the list and what each has
+ * left as they were), so only the sequences with prompt left are looked at;
+ * NULL: every running sequence is. */
+DPUF_SCHED_FN int32_t dpuf_sched_prefills(dpuf_sched *s, int32_t budget,
+                                          const dpuf_sched_need *needs) {
     for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
+        if (needs != 0) {
+            if (needs[i].prefill) budget -= dpuf_sched_chunk(s, s->running[i], budget, 1);
+            continue;
+        }
         dpuf_sched_seq *q = &s->seqs[s->running[i]];
         if (q->prompt_len + q->generated - q->computed > 1)
             budget -= dpuf_sched_chunk(s, s->running[i], budget, 1);
     }
-    /* 3. admission, in arrival order; a sequence whose ring is full steps aside */
+    return budget;
+}
+
+/* 3. admission, in arrival order; a sequence whose ring is full steps aside */
+DPUF_SCHED_FN void dpuf_sched_admit(dpuf_sched *s, int32_t budget) {
     int32_t n_held = 0;
     while (s->wait_count > 0 && budget > 0) {
         int32_t e = dpuf_sched_wait_at(s, 0);
@@ -407,6 +437,119 @@ DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
         budget -= dpuf_sched_chunk(s, e, budget, 0);
     }
     for (int32_t i = n_held - 1; i >= 0; i--) dpuf_sched_push_front(s, s->scratch[i]);
+}
+
+/* The next step's batch: works, admitted, preempted; `credits` (set by the
+ * caller before) bound each channel's sampling sequences. */
+DPUF_SCHED_FN void dpuf_sched_schedule(dpuf_sched *s) {
+    int32_t budget = dpuf_sched_begin(s);
+    budget = dpuf_sched_decodes(s, budget);
+    budget = dpuf_sched_prefills(s, budget, 0);
+    dpuf_sched_admit(s, budget);
+}
+
+/* ---- part 1 spread over threads
+ *
+ * At a full batch part 1 is most of a schedule: for one thread, a few
+ * dependent loads per running sequence. Where the step preempts nothing and
+ * every channel's ring has room for all of its decodes (a full batch's usual
+ * step), part 1 is a prefix sum: running[i] decodes into work number (the
+ * decodes before i) and takes the pool's blocks from pool_head + (the blocks
+ * taken before i), as the serial loop would. The kernel runs
+ * dpuf_sched_decode_need and dpuf_sched_decode_take per index on its threads
+ * and the sums as a block scan; dpuf_sched_schedule_spread is the same in
+ * loops. Where dpuf_sched_decode_fits says no, the serial part 1 runs. */
+
+DPUF_SCHED_FN dpuf_sched_need dpuf_sched_decode_need(const dpuf_sched *s, int32_t i) {
+    const dpuf_sched_seq *q = &s->seqs[s->running[i]];
+    const int32_t left = q->prompt_len + q->generated - q->computed;
+    dpuf_sched_need need = {0, 0, 0, q->channel};
+    if (q->status != DPUF_SEQ_RUNNING) return need;
+    need.decode = left == 1;
+    need.prefill = left > 1;
+    if (need.decode) {
+        const int32_t more = dpuf_sched_blocks_for(s, q->computed + 1) - q->n_blocks;
+        need.blocks = more > 0 ? more : 0;
+    }
+    return need;
+}
+
+/* Whether the spread part 1 is the serial one: the budget holds every decode,
+ * the pool every block they take, each channel's credits (`counts[c]`: its
+ * decodes) all of its decodes. */
+DPUF_SCHED_FN int dpuf_sched_decode_fits(const dpuf_sched *s, int32_t budget, int32_t decodes,
+                                         int32_t blocks, const int32_t *counts) {
+    if (decodes > budget || blocks > s->pool_free) return 0;
+    for (int32_t c = 0; c < DPUF_SCHED_MAX_CHANNELS; c++)
+        if (counts[c] > s->credits[c]) return 0;
+    return 1;
+}
+
+/* running[i]'s decode as work number `work`, its blocks the pool's from
+ * pool_head + `block`; nothing for an index that does not decode. Indices
+ * touch their own sequence, table and work only: any thread, any order. */
+DPUF_SCHED_FN void dpuf_sched_decode_take(dpuf_sched *s, int32_t i, dpuf_sched_need need,
+                                          int32_t work, int32_t block) {
+    if (!need.decode) return;
+    const int32_t e = s->running[i];
+    dpuf_sched_seq *q = &s->seqs[e];
+    int32_t *table = s->tables + (int64_t)q->slot * s->max_blocks;
+    for (int32_t j = 0; j < need.blocks; j++) {
+        const int32_t b = s->pool[(s->pool_head + block + j) % s->c.num_blocks];
+        s->used[b] = 1;
+        table[q->n_blocks + j] = b;
+    }
+    q->n_blocks += need.blocks;
+    dpuf_sched_work *w = &s->works[work];
+    w->seq = e;
+    w->start = q->computed;
+    w->count = 1;
+    w->sample = 1;
+}
+
+/* One thread, after every index took its part: the pool, the credits and the
+ * works' count as the serial loop leaves them; the budget left. */
+DPUF_SCHED_FN int32_t dpuf_sched_decode_commit(dpuf_sched *s, int32_t budget, int32_t decodes,
+                                               int32_t blocks, const int32_t *counts) {
+    s->n_works = decodes;
+    s->pool_head = (s->pool_head + blocks) % s->c.num_blocks;
+    s->pool_free -= blocks;
+    for (int32_t c = 0; c < DPUF_SCHED_MAX_CHANNELS; c++) s->credits[c] -= counts[c];
+    return budget - decodes;
+}
+
+/* dpuf_sched_schedule with part 1 spread, in loops (the host build's form of
+ * the kernel's; the same outcome as dpuf_sched_schedule). `needs`: room for
+ * max_seqs; `counts`: for DPUF_SCHED_MAX_CHANNELS. Returns 1 where part 1 ran
+ * spread, 0 where it ran serial. */
+DPUF_SCHED_FN int dpuf_sched_schedule_spread(dpuf_sched *s, dpuf_sched_need *needs,
+                                             int32_t *counts) {
+    int32_t budget = dpuf_sched_begin(s);
+    const int32_t n = s->n_running;
+    int32_t decodes = 0, blocks = 0;
+    for (int32_t c = 0; c < DPUF_SCHED_MAX_CHANNELS; c++) counts[c] = 0;
+    for (int32_t i = 0; i < n; i++) {
+        needs[i] = dpuf_sched_decode_need(s, i);
+        if (needs[i].decode && needs[i].channel >= 0) counts[needs[i].channel]++;
+        decodes += needs[i].decode;
+        blocks += needs[i].blocks;
+    }
+    const int spread = dpuf_sched_decode_fits(s, budget, decodes, blocks, counts);
+    if (spread) {
+        int32_t work = 0, block = 0;
+        for (int32_t i = 0; i < n; i++) {
+            dpuf_sched_decode_take(s, i, needs[i], work, block);
+            work += needs[i].decode;
+            block += needs[i].blocks;
+        }
+        budget = dpuf_sched_decode_commit(s, budget, decodes, blocks, counts);
+        budget = dpuf_sched_prefills(s, budget, needs);
+    } else {
+        budget = dpuf_sched_decodes(s, budget);
+        budget = dpuf_sched_prefills(s, budget, 0);
+    }
+    dpuf_sched_admit(s, budget);
+    return spread;
 }
 
 /* Work i ran: its KV is in the cache and, if it samples, its sequence has one

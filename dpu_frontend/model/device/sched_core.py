@@ -131,6 +131,7 @@ class ModelStats(ctypes.Structure):
         ("automata_copied", ctypes.c_uint64),
         ("automata_evicted", ctypes.c_uint64),
         ("automata_refused", ctypes.c_uint64),
+        ("spread_schedules", ctypes.c_uint64),
     )
 
 
@@ -204,6 +205,8 @@ class HostSchedCore:
             "dpuf_sched_host_finish": ((vp, i32), ctypes.c_int),
             "dpuf_sched_host_set_credit": ((vp, i32, i64), None),
             "dpuf_sched_host_schedule": ((vp,), None),
+            "dpuf_sched_host_schedule_serial": ((vp,), None),
+            "dpuf_sched_host_spread_steps": ((vp,), i64),
             "dpuf_sched_host_commit": ((vp,), u64),
             "dpuf_sched_host_graph_for": ((vp,), i32),
             "dpuf_sched_host_fill": ((vp, i32), i32),
@@ -252,8 +255,14 @@ class HostSchedCore:
     def set_credit(self, channel: int, left: int) -> None:
         self._lib.dpuf_sched_host_set_credit(self._handle, channel, left)
 
-    def schedule(self) -> StepBatch:
-        self._lib.dpuf_sched_host_schedule(self._handle)
+    def schedule(self, *, serial: bool = False) -> StepBatch:
+        """The next step's batch, as the kernel schedules it (its decodes spread over
+        threads where the step allows, ``dpuf_sched_schedule_spread``), or ``serial``:
+        by the one-thread loop alone (``dpuf_sched_schedule``)."""
+        if serial:
+            self._lib.dpuf_sched_host_schedule_serial(self._handle)
+        else:
+            self._lib.dpuf_sched_host_schedule(self._handle)
         c = self.config
         counts = np.zeros(4, np.int32)
         works = np.zeros((c.max_seqs, 4), np.int32)
@@ -268,6 +277,11 @@ class HostSchedCore:
         n, a, p, free = (int(x) for x in counts)
         return StepBatch(works[:n].copy(), admitted[:a].tolist(), preempted[:p].tolist(), held,
                          free)
+
+    @property
+    def spread_steps(self) -> int:
+        """Steps whose decodes were scheduled spread (not by the serial loop)."""
+        return int(self._lib.dpuf_sched_host_spread_steps(self._handle))
 
     def commit(self) -> int:
         """The step ran; returns its KV positions read (``dpuf_sched_commit``'s)."""

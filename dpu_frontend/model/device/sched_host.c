@@ -16,6 +16,9 @@ typedef struct dpuf_sched_host {
     dpuf_sched_span *at; /* [max_seqs]: the last step's layout */
     dpuf_sched_span total;
     uint8_t *inputs[DPUF_SCHED_MAX_GRAPHS];
+    dpuf_sched_need *needs;                 /* [max_seqs]: part 1 spread, as the kernel */
+    int32_t counts[DPUF_SCHED_MAX_CHANNELS];
+    int64_t spread_steps;                   /* steps whose part 1 ran spread */
 } dpuf_sched_host;
 
 EXPORT dpuf_sched_host *dpuf_sched_host_new(const dpuf_sched_config *c) {
@@ -23,9 +26,11 @@ EXPORT dpuf_sched_host *dpuf_sched_host_new(const dpuf_sched_config *c) {
     if (h == NULL) return NULL;
     h->arena = calloc(1, dpuf_sched_arena_bytes(c));
     h->at = calloc((size_t)c->max_seqs, sizeof *h->at);
-    if (h->arena == NULL || h->at == NULL) {
+    h->needs = calloc((size_t)c->max_seqs, sizeof *h->needs);
+    if (h->arena == NULL || h->at == NULL || h->needs == NULL) {
         free(h->arena);
         free(h->at);
+        free(h->needs);
         free(h);
         return NULL;
     }
@@ -38,6 +43,7 @@ EXPORT void dpuf_sched_host_free(dpuf_sched_host *h) {
     for (int32_t g = 0; g < h->s.n_graphs; g++) free(h->inputs[g]);
     free(h->arena);
     free(h->at);
+    free(h->needs);
     free(h);
 }
 
@@ -69,11 +75,20 @@ EXPORT void dpuf_sched_host_set_credit(dpuf_sched_host *h, int32_t channel, int6
     h->s.credits[channel] = left;
 }
 
-/* The schedule, then the step's layout, as the kernel's thread 0 runs them. */
+/* The schedule as the kernel runs it (part 1 spread where it can be), then the
+ * step's layout. */
 EXPORT void dpuf_sched_host_schedule(dpuf_sched_host *h) {
+    h->spread_steps += dpuf_sched_schedule_spread(&h->s, h->needs, h->counts);
+    h->total = dpuf_sched_layout(&h->s, h->at);
+}
+
+/* The schedule by the serial loop alone (dpuf_sched_schedule), then the layout. */
+EXPORT void dpuf_sched_host_schedule_serial(dpuf_sched_host *h) {
     dpuf_sched_schedule(&h->s);
     h->total = dpuf_sched_layout(&h->s, h->at);
 }
+
+EXPORT int64_t dpuf_sched_host_spread_steps(dpuf_sched_host *h) { return h->spread_steps; }
 
 EXPORT uint64_t dpuf_sched_host_commit(dpuf_sched_host *h) { return dpuf_sched_commit(&h->s); }
 

@@ -50,6 +50,10 @@
 
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
+/* The running list's indices each thread takes in the spread decodes (schedule). */
+#define SCHED_PER_THREAD (SCHED_MAX_SEQS / SCHED_THREADS)
+static_assert(SCHED_MAX_SEQS % SCHED_THREADS == 0 && SCHED_THREADS % 32 == 0,
+              "the running list in whole shares of whole warps");
 
 /* What the scheduler keeps of a request beside sched_core's sequence. */
 struct entry_info {
@@ -161,6 +165,13 @@ struct sched_smem {
     dpuf_sched_span total;             /* the step's tokens, tiles and samples */
     unsigned long long context;        /* the step's KV positions read, summed at the commit */
     dpuf_sched_span at[SCHED_MAX_SEQS]; /* where each work's rows, tiles and sample row start */
+    /* The schedule's spread decodes: each running index's need, each channel's
+     * decodes, each warp's sums of decodes and blocks (then the warps' before it),
+     * and thread 0's totals and verdict. */
+    dpuf_sched_need need[SCHED_MAX_SEQS];
+    int32_t counts[DPUF_SCHED_MAX_CHANNELS];
+    int32_t warp_sums[2][SCHED_THREADS / 32];
+    int32_t budget, decodes, blocks, spread;
 };
 
 __device__ __forceinline__ dpuf_dpu_ctrl *dpu_of(const sched_args &a, uint32_t c) {
@@ -797,6 +808,87 @@ __device__ void fill_inputs(const sched_args &a, int32_t g, const sched_smem &sm
     __syncthreads();
 }
 
+/* All threads: the next step's batch (sched_core.h's dpuf_sched_schedule), its
+ * part 1 spread over the block where the step preempts nothing and every ring
+ * has room for its decodes: thread t takes the running list's indices
+ * [t * SCHED_PER_THREAD, ...) in order, and a block scan of the decodes and
+ * blocks before each gives its first work and block. dpuf_sched_schedule_spread
+ * is the same in loops, which CI holds to the Python scheduler. Thread 0 runs
+ * what stays serial: the check, the serial part 1 where the check fails, the
+ * prefill chunks and admission. s->credits are set before. */
+__device__ void schedule(const sched_args &a, sched_smem &sm) {
+    dpuf_sched *s = a.s;
+    const int32_t tid = (int32_t)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) sm.budget = dpuf_sched_begin(s);
+    for (int32_t c = tid; c < DPUF_SCHED_MAX_CHANNELS; c += (int32_t)blockDim.x) sm.counts[c] = 0;
+    __syncthreads();
+    const int32_t n = s->n_running;
+    const int32_t first = tid * SCHED_PER_THREAD;
+    const int32_t last = first + SCHED_PER_THREAD < n ? first + SCHED_PER_THREAD : n;
+    int32_t decodes = 0, blocks = 0;
+    for (int32_t i = first; i < last; i++) {
+        const dpuf_sched_need need = dpuf_sched_decode_need(s, i);
+        sm.need[i] = need;
+        if (need.decode && need.channel >= 0) atomicAdd(&sm.counts[need.channel], 1);
+        decodes += need.decode;
+        blocks += need.blocks;
+    }
+    /* Inclusive sums over the warp's lanes, then each warp's total. */
+    int32_t work = decodes, block = blocks;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int32_t w = __shfl_up_sync(0xffffffffu, work, d);
+        const int32_t b = __shfl_up_sync(0xffffffffu, block, d);
+        if (lane >= d) {
+            work += w;
+            block += b;
+        }
+    }
+    if (lane == 31) {
+        sm.warp_sums[0][warp] = work;
+        sm.warp_sums[1][warp] = block;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int32_t w = 0, b = 0;
+        for (int k = 0; k < SCHED_THREADS / 32; k++) {
+            const int32_t dw = sm.warp_sums[0][k], db = sm.warp_sums[1][k];
+            sm.warp_sums[0][k] = w; /* the warps' before warp k */
+            sm.warp_sums[1][k] = b;
+            w += dw;
+            b += db;
+        }
+        sm.decodes = w;
+        sm.blocks = b;
+        sm.spread = dpuf_sched_decode_fits(s, sm.budget, w, b, sm.counts);
+    }
+    __syncthreads();
+    if (sm.spread) {
+        /* This thread's first work and block: the warps' before it, the lanes' before it. */
+        work += sm.warp_sums[0][warp] - decodes;
+        block += sm.warp_sums[1][warp] - blocks;
+        for (int32_t i = first; i < last; i++) {
+            const dpuf_sched_need need = sm.need[i];
+            dpuf_sched_decode_take(s, i, need, work, block);
+            work += need.decode;
+            block += need.blocks;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int32_t budget = sm.budget;
+        if (sm.spread) {
+            budget = dpuf_sched_decode_commit(s, budget, sm.decodes, sm.blocks, sm.counts);
+            budget = dpuf_sched_prefills(s, budget, sm.need);
+        } else {
+            budget = dpuf_sched_decodes(s, budget);
+            budget = dpuf_sched_prefills(s, budget, 0);
+        }
+        dpuf_sched_admit(s, budget);
+        a.stats->spread_schedules += (uint64_t)sm.spread;
+    }
+    __syncthreads();
+}
+
 /* ---- the kernel ------------------------------------------------------------ */
 
 /* Thread 0: the time since the last lap into phase `ph` of this pass; every
@@ -872,7 +964,9 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                 const int64_t room = ring_room(a, c);
                 s->credits[c] = a.chan[c].attached ? (room > 0 ? room : 0) : 0;
             }
-            dpuf_sched_schedule(s);
+        }
+        schedule(a, sm);
+        if (threadIdx.x == 0) {
             if (s->held) {
                 a.stats->held++;
                 for (uint32_t c = 0; c < a.channel_count; c++)
