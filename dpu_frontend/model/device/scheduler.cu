@@ -884,7 +884,6 @@ __device__ void schedule(const sched_args &a, sched_smem &sm) {
             budget = dpuf_sched_prefills(s, budget, 0);
         }
         dpuf_sched_admit(s, budget);
-        a.stats->spread_schedules += (uint64_t)sm.spread;
     }
     __syncthreads();
 }
@@ -1005,6 +1004,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
             a.ctl->n_rows = (uint32_t)sm.total.sample;
             dpuf_model_stats *st = a.stats;
             st->steps++;
+            st->spread_schedules += (uint64_t)sm.spread;
             st->tokens += (uint64_t)sm.total.row;
             st->sampled += (uint64_t)sm.total.sample;
             st->context_tokens += (uint64_t)sm.context;
