@@ -118,6 +118,9 @@ async def test_kv_exhaustion_preempts_and_waits_and_changes_no_token(
     assert kernel["running"] == 0 and kernel["waiting"] == 0 and kernel["free_blocks"] == 20
     # Each work reads its context and its own tokens: more positions than tokens in all.
     assert kernel["context_tokens"] > kernel["tokens"] > 0, kernel
+    # The decodes were scheduled over the block in some steps and by thread 0's serial
+    # loop in the steps that preempted: both ways, the host engine's tokens.
+    assert 0 < kernel["spread_schedules"] < kernel["steps"], kernel
     print(f"12 requests in a 640-token cache: {kernel['preemptions']} preemptions, "
           f"{kernel['steps']} steps, every answer the host engine's")
 
@@ -154,6 +157,7 @@ async def test_a_thousand_concurrent_streams() -> None:
         kernel = (await report(stack))["kernel"]
     assert results == [("length", 24)] * streams
     assert kernel["sampled"] >= streams * 24 and kernel["running"] == 0
+    assert kernel["spread_schedules"] > kernel["steps"] // 2, kernel  # full batches, room
     print(f"{streams} concurrent streams of 24 tokens through the GPU scheduler in {took:.1f} s: "
           f"{kernel['steps']} steps, {kernel['sampled']} tokens drawn")
 
