@@ -61,6 +61,10 @@ PEER_SOURCES = CudaSources("libdpuf_peer", "peer_kernel.cu",
                            ("peer_kernel.h", "device_info.h", "ring_device.cuh", "cuda_host.cuh",
                             "cuda_driver.cuh", "ring_protocol.h"),
                            (source_dir(),))
+#: The reference walk of a structured-output automaton (``automaton_walk.h``) built for the
+#: host: the tests hold it to the Python walk (``automaton_walk.HostWalk``).
+WALK_HOST = CudaSources("libdpuf_walk_host", "walk_host.c", ("automaton_walk.h",),
+                        (source_dir(),))
 
 
 def default_build_dir() -> Path:
