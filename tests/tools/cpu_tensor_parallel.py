@@ -33,7 +33,7 @@ from dpu_frontend.model.layers.attention import KvCache
 from dpu_frontend.model.layers.collective import GatheredGroup, TensorGroup
 from dpu_frontend.model.tensor_parallel import Shard
 from dpu_frontend.model.weights import Params
-from tests.tools.cpu_llama import PAGE, prefill
+from tests.tools.cpu_llama import PAGE, RANDOM, prefill
 
 #: Small models of each architecture: 8 query and 2 KV heads of 64 (4 ranks share KV
 #: heads), a vocabulary no rank count divides.
@@ -42,20 +42,11 @@ SHAPES: dict[str, Any] = {
     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "vocab_size": 203,
     "eos_token_id": 2, "torch_dtype": "float32"}
+#: cpu_llama's random architectures, and Qwen3's with its tied head.
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
               "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "llama3.1": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                 "rope_theta": 500000.0, "tie_word_embeddings": False,
-                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 1024}},
-    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-             "rope_theta": 250000.0, "tie_word_embeddings": False, "sliding_window": None},
-    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                  "rope_theta": 1000000.0, "tie_word_embeddings": False, "num_experts": 8,
-                  "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                  "norm_topk_prob": True},
+    **{name: RANDOM[name] for name in ("llama3.1", "phi3", "qwen3_moe")},
 }
 SEED = 5
 
