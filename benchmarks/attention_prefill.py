@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["copy bandwidth, GB/s"] = round(bandwidth / 1e9, 1)
     for case in args.cases:
         step = Step(case, config, dtype, device, gen)
-        with flash(device):
+        # The flash backend takes 16-bit inputs only: a float32 check runs any backend.
+        with contextlib.nullcontext() if args.check else flash(device):
             error = step.error()
         limit = 1e-3 if args.check else 0.05
         if error > limit:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from benchmarks.common import record
 from benchmarks.model_step import copy_bandwidth
@@ -306,11 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
     gen = torch.Generator(device=device).manual_seed(1)
+    # Triton's version beside the figures: its warp specialization on Hopper (the "w"
+    # tiles) is recent, and an older one would time another loop.
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device),
+                           "triton": triton.__version__,
                            "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
-    figures: dict[str, object] = {"device": out["device"],
+    figures: dict[str, object] = {"device": out["device"], "triton": out["triton"],
                                   "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
-    print(f"{out['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    print(f"{out['device']}, Triton {triton.__version__}: copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s (read + write)")
     table: dict[str, list[str]] = {}
     for model, config in configs:
         out["models"][model] = {}

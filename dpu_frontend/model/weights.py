@@ -40,7 +40,9 @@ class Params:
         seed gives the same weights whatever reads them; ``fp8``: each layer's linear
         weights quantized as they are drawn (the same draws as without). ``shard``: a
         rank's cut of the same draws (tensor parallelism), so that a seed gives one
-        model whatever the number of ranks.
+        model whatever the number of ranks; with ``fp8`` the cut is quantized, its
+        scales over the rank's own columns, so an FP8 model's column-split weights
+        (o_proj, down) differ in their scales from one rank's.
         """
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)

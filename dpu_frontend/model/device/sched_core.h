@@ -520,8 +520,8 @@ DPUF_SCHED_FN int32_t dpuf_sched_decode_commit(dpuf_sched *s, int32_t budget, in
 
 /* dpuf_sched_schedule with part 1 spread, in loops (the host build's form of
  * the kernel's; the same outcome as dpuf_sched_schedule). `needs`: room for
- * max_seqs; `counts`: for DPUF_SCHED_MAX_CHANNELS. Returns 1 where part 1 ran
- * spread, 0 where it ran serial. */
+ * max_seqs; `counts`: for DPUF_SCHED_MAX_CHANNELS. Returns 1 where part 1 had
+ * decodes and ran spread, 0 where it had none or ran serial. */
 DPUF_SCHED_FN int dpuf_sched_schedule_spread(dpuf_sched *s, dpuf_sched_need *needs,
                                              int32_t *counts) {
     int32_t budget = dpuf_sched_begin(s);
@@ -549,7 +549,7 @@ DPUF_SCHED_FN int dpuf_sched_schedule_spread(dpuf_sched *s, dpuf_sched_need *nee
         budget = dpuf_sched_prefills(s, budget, 0);
     }
     dpuf_sched_admit(s, budget);
-    return spread;
+    return spread && decodes > 0;
 }
 
 /* Work i ran: its KV is in the cache and, if it samples, its sequence has one

@@ -280,7 +280,7 @@ class HostSchedCore:
 
     @property
     def spread_steps(self) -> int:
-        """Steps whose decodes were scheduled spread (not by the serial loop)."""
+        """Steps with decodes that were scheduled spread (not by the serial loop)."""
         return int(self._lib.dpuf_sched_host_spread_steps(self._handle))
 
     def commit(self) -> int:

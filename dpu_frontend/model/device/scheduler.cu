@@ -51,7 +51,7 @@
 #define SCHED_THREADS WRITER_THREADS /* the writer's phases run on this block */
 #define SCHED_MAX_SEQS 1024          /* per-work prefix sums live in shared memory */
 /* The running list's indices each thread takes in the spread decodes (schedule). */
-#define SCHED_PER_THREAD (SCHED_MAX_SEQS / SCHED_THREADS)
+#define SCHED_PER_THREAD ((int32_t)(SCHED_MAX_SEQS / SCHED_THREADS))
 static_assert(SCHED_MAX_SEQS % SCHED_THREADS == 0 && SCHED_THREADS % 32 == 0,
               "the running list in whole shares of whole warps");
 
@@ -1004,7 +1004,7 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
             a.ctl->n_rows = (uint32_t)sm.total.sample;
             dpuf_model_stats *st = a.stats;
             st->steps++;
-            st->spread_schedules += (uint64_t)sm.spread;
+            st->spread_schedules += (uint64_t)(sm.spread && sm.decodes > 0);
             st->tokens += (uint64_t)sm.total.row;
             st->sampled += (uint64_t)sm.total.sample;
             st->context_tokens += (uint64_t)sm.context;

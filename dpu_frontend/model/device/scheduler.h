@@ -144,8 +144,8 @@ typedef struct dpuf_model_stats {
     uint64_t automata_copied; /* 200 */
     uint64_t automata_evicted; /* 208 */
     uint64_t automata_refused; /* 216 */
-    /* Steps whose decodes were scheduled spread over the block (nothing preempted,
-     * room in every ring for them); the rest by thread 0's serial loop. */
+    /* Steps with decodes that were scheduled spread over the block (nothing
+     * preempted, room in every ring for them); the rest by thread 0's serial loop. */
     uint64_t spread_schedules; /* 224 */
 } dpuf_model_stats;
 
