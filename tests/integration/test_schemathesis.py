@@ -40,8 +40,11 @@ def test_schemathesis_finds_nothing_with_every_check(tmp_path: Path) -> None:
     keys.write_text(f"{KEY}\n")
     keys.chmod(0o600)
     # echo: each answer is its prompt again, so no generated request runs for long.
+    # The compile bound as test_structured_output's: on a loaded 2-core machine the first
+    # json_object compile has passed the default 20 s (a 400 before any case ran).
     with running_stack("shm", mode="echo", timeout=120,
-                       serve_args=("--api-key-file", str(keys))) as stack:
+                       serve_args=("--api-key-file", str(keys),
+                                   "--constraint-compile-timeout", "300")) as stack:
         # json_object, the one constraint the fuzzing sends that takes long to compile
         # (seconds, once: then it is cached), compiled before the clock of any case runs.
         with OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0,
