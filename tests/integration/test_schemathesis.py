@@ -40,11 +40,12 @@ def test_schemathesis_finds_nothing_with_every_check(tmp_path: Path) -> None:
     keys.write_text(f"{KEY}\n")
     keys.chmod(0o600)
     # echo: each answer is its prompt again, so no generated request runs for long.
-    # The compile bound as test_structured_output's: on a loaded 2-core machine the first
-    # json_object compile has passed the default 20 s (a 400 before any case ran).
+    # On a loaded 2-core machine the first json_object compile has passed the default
+    # bound of 20 s (a 400 before any case ran): 45 s, still under schemathesis' request
+    # timeout, so that a case whose constraint compiles slowly gets its 400 in time.
     with running_stack("shm", mode="echo", timeout=120,
                        serve_args=("--api-key-file", str(keys),
-                                   "--constraint-compile-timeout", "300")) as stack:
+                                   "--constraint-compile-timeout", "45")) as stack:
         # json_object, the one constraint the fuzzing sends that takes long to compile
         # (seconds, once: then it is cached), compiled before the clock of any case runs.
         with OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0,
@@ -55,7 +56,7 @@ def test_schemathesis_finds_nothing_with_every_check(tmp_path: Path) -> None:
             [sys.executable, "-m", "schemathesis.cli", "run", f"{stack.base_url}/openapi.json",
              "--checks", "all", "--max-examples", str(EXAMPLES_PER_OPERATION),
              "--workers", "1", "--seed", SEED, "--generation-database", "none",
-             "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "30",
+             "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
              "--no-color"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False,
             env=os.environ | {"SCHEMATHESIS_HOOKS": str(HOOKS)})
