@@ -9,9 +9,8 @@ import ctypes
 from array import array
 from pathlib import Path
 
-from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.library import bind
-from dpu_frontend.gpu.runtime import WALK_HOST, build
+from dpu_frontend.gpu.runtime import WALK_HOST, build_host
 from dpu_frontend.ring.automaton import TokenAutomaton, automaton_words
 
 #: automaton_walk.h's DPUF_WALK_NONE: no token, no state.
@@ -38,11 +37,7 @@ class HostWalk:
 
     @classmethod
     def build(cls, build_dir: Path, automaton: TokenAutomaton) -> HostWalk:
-        try:
-            library = build(build_dir, WALK_HOST, arch="host")
-        except StartupError as exc:
-            raise RuntimeError(str(exc)) from exc
-        return cls(library, automaton)
+        return cls(build_host(build_dir, WALK_HOST), automaton)
 
     def distances(self) -> array[int]:
         """Every state's fewest tokens to an end, by one thread's sweeps."""

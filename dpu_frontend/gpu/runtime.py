@@ -126,6 +126,15 @@ def build(build_dir: Path, sources: CudaSources = PEER_SOURCES, *, arch: str = "
     return output
 
 
+def build_host(build_dir: Path, sources: CudaSources) -> Path:
+    """The host build of a C library that tests load (``sources.main`` a .c): a failed
+    build is a RuntimeError there, not a StartupError, as no start-up fails."""
+    try:
+        return build(build_dir, sources, arch="host")
+    except StartupError as exc:
+        raise RuntimeError(str(exc)) from exc
+
+
 class PeerParams(ctypes.Structure):
     """Mirror of ``dpuf_peer_params`` (CI checks every offset against the header)."""
 

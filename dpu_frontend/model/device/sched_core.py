@@ -20,9 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.library import PersistentLibrary, Signature, bind
-from dpu_frontend.gpu.runtime import build
+from dpu_frontend.gpu.runtime import build_host
 from dpu_frontend.model.device import SCHED_HOST
 from dpu_frontend.model.sampling import VARIANTS
 
@@ -224,11 +223,7 @@ class HostSchedCore:
 
     @classmethod
     def build(cls, build_dir: Path, config: SchedConfig) -> HostSchedCore:
-        try:
-            library = build(build_dir, SCHED_HOST, arch="host")
-        except StartupError as exc:
-            raise RuntimeError(str(exc)) from exc
-        return cls(library, config)
+        return cls(build_host(build_dir, SCHED_HOST), config)
 
     def close(self) -> None:
         if self._handle:
