@@ -83,28 +83,34 @@ class Case:
         return 4 * heads * dim * sum(n * c + n * (n + 1) // 2 for c, n in self.sequences())
 
 
-class Step:
-    """A case's inputs: the paged cache and the engine's metadata, and the same K, V and
-    q as dense tensors for SDPA."""
+#: ``paged_attention``'s metadata arguments, in order.
+Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+             torch.Tensor, torch.Tensor]
 
-    def __init__(self, case: Case, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, gen: torch.Generator) -> None:
-        self.case = case
-        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-        seqs = case.sequences()
-        own = [-(-(c + n) // PAGE) for c, n in seqs]
-        blocks = sum(own) + 1
-        self.k = torch.randn((blocks, hkv, PAGE, d), generator=gen, device=device).to(dtype)
-        self.v = torch.randn((blocks, hkv, PAGE, d), generator=gen, device=device).to(dtype)
-        spread = torch.randperm(blocks - 1, generator=gen, device=device).to(torch.int32)
-        self.tables = torch.zeros((len(seqs), max(own)), dtype=torch.int32, device=device)
+
+@dataclass(frozen=True, slots=True)
+class PagedLayout:
+    """Sequences (cached tokens, query tokens) over one paged cache: each sequence's own
+    pages (``pages``), spread over the pool by a permutation, in its block table (the
+    unused tail 0); where its query rows start (``starts``); and ``paged_attention``'s
+    metadata, tiles of ``per_tile`` query tokens (``meta``: tables, tile_seq, tile_row,
+    q_start, q_len, ctx_start, positions)."""
+
+    pages: list[int]
+    starts: list[int]
+    meta: Meta
+
+    @classmethod
+    def of(cls, seqs: list[tuple[int, int]], per_tile: int, spread: torch.Tensor
+           ) -> PagedLayout:
+        """``spread``: a permutation of the pool's blocks (without the last, scratch)."""
+        device = spread.device
+        pages = [-(-(c + n) // PAGE) for c, n in seqs]
+        tables = torch.zeros((len(seqs), max(pages)), dtype=torch.int32, device=device)
         at = 0
-        for i, pages in enumerate(own):
-            self.tables[i, :pages] = spread[at:at + pages]
-            at += pages
-        tokens = sum(n for _, n in seqs)
-        self.q = torch.randn((tokens, hq, d), generator=gen, device=device).to(dtype)
-        per_tile = ATTN_ROWS // config.group_size
+        for i, p in enumerate(pages):
+            tables[i, :p] = spread[at:at + p]
+            at += p
         starts, tile_seq, tile_row = [], [], []
         for i, (_, n) in enumerate(seqs):
             starts.append(sum(m for _, m in seqs[:i]))
@@ -115,10 +121,39 @@ class Step:
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        self.meta = (self.tables, i32(tile_seq), i32(tile_row), i32(starts),
-                     i32([n for _, n in seqs]), i32([c for c, _ in seqs]),
-                     torch.tensor([c + t for c, n in seqs for t in range(n)], dtype=torch.int64,
-                                  device=device))
+        positions = [c + t for c, n in seqs for t in range(n)]
+        return cls(pages, starts, (
+            tables, i32(tile_seq), i32(tile_row), i32(starts), i32([n for _, n in seqs]),
+            i32([c for c, _ in seqs]), torch.tensor(positions, dtype=torch.int64,
+                                                    device=device)))
+
+    @property
+    def tables(self) -> torch.Tensor:
+        return self.meta[0]
+
+
+def blocks_for(seqs: list[tuple[int, int]]) -> int:
+    """The pool's blocks for ``seqs``' own pages, and one scratch block past them."""
+    return sum(-(-(c + n) // PAGE) for c, n in seqs) + 1
+
+
+class Step:
+    """A case's inputs: the paged cache and the engine's metadata, and the same K, V and
+    q as dense tensors for SDPA."""
+
+    def __init__(self, case: Case, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, gen: torch.Generator) -> None:
+        self.case = case
+        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        seqs = case.sequences()
+        blocks = blocks_for(seqs)
+        self.k = torch.randn((blocks, hkv, PAGE, d), generator=gen, device=device).to(dtype)
+        self.v = torch.randn((blocks, hkv, PAGE, d), generator=gen, device=device).to(dtype)
+        spread = torch.randperm(blocks - 1, generator=gen, device=device).to(torch.int32)
+        layout = PagedLayout.of(seqs, ATTN_ROWS // config.group_size, spread)
+        self.tables, self.meta = layout.tables, layout.meta
+        tokens = sum(n for _, n in seqs)
+        self.q = torch.randn((tokens, hq, d), generator=gen, device=device).to(dtype)
         self.out = torch.empty_like(self.q)
         # SDPA's operands: [batch, heads, length, dim], the prompts' and the decodes'.
         self.groups = [self._dense(range(case.prompts), case.context, case.tokens)]

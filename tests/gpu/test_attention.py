@@ -4,12 +4,12 @@ cache, and a sequence's bits do not depend on the batch around it."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.attention_prefill import PagedLayout, blocks_for
 from dpu_frontend.model.layers.attention import ATTN_ROWS, ATTN_STEP_PAGES, paged_attention
 from dpu_frontend.model.layers.quant import FP8
 
@@ -27,9 +27,7 @@ class Batch:
     def __init__(self, seqs: list[tuple[int, int]], gen: torch.Generator, *,
                  fp8: bool = False) -> None:
         self.seqs = seqs
-        per_tile = ATTN_ROWS // (HQ // HKV)
-        own = [-(-(c + n) // PAGE) for c, n in seqs]
-        blocks = sum(own) + 1
+        blocks = blocks_for(seqs)
         dev = "cuda"
         k, v = (torch.randn((blocks, HKV, PAGE, DIM), generator=gen, device=dev)
                 for _ in range(2))
@@ -41,29 +39,13 @@ class Batch:
             self.scales = (ks / 50, vs / 50)
         else:
             self.k, self.v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-        # Each sequence's own pages, spread over the pool; the table's unused tail is 0.
+        # Each sequence's own pages, spread over the pool.
         spread = torch.randperm(blocks - 1, generator=gen, device=dev).to(torch.int32)
-        self.tables = torch.zeros((len(seqs), max(own)), dtype=torch.int32, device=dev)
-        for i, (p, at) in enumerate(zip(own, itertools.accumulate([0, *own]), strict=False)):
-            self.tables[i, :p] = spread[at:at + p]
-        self.pages = own
+        layout = PagedLayout.of(seqs, ATTN_ROWS // (HQ // HKV), spread)
+        self.tables, self.pages, self.starts, self.meta = (
+            layout.tables, layout.pages, layout.starts, layout.meta)
         tokens = sum(n for _, n in seqs)
         self.q = torch.randn((tokens, HQ, DIM), generator=gen, device=dev).to(torch.bfloat16)
-        starts, tile_seq, tile_row = [], [], []
-        for i, (_, n) in enumerate(seqs):
-            starts.append(sum(m for _, m in seqs[:i]))
-            for r in range(0, n, per_tile):
-                tile_seq.append(i)
-                tile_row.append(r)
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=dev)
-
-        positions = [c + t for c, n in seqs for t in range(n)]
-        self.meta = (self.tables, i32(tile_seq), i32(tile_row), i32(starts),
-                     i32([n for _, n in seqs]), i32([c for c, _ in seqs]),
-                     torch.tensor(positions, dtype=torch.int64, device=dev))
-        self.starts = starts
 
     def run(self, **kwargs: Any) -> torch.Tensor:
         out = torch.full_like(self.q, float("nan"))
