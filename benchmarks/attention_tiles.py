@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 from functools import partial
 from pathlib import Path
 
@@ -42,9 +43,28 @@ CANDIDATES: list[Candidate] = list(dict.fromkeys(
     [(r, w, st, *CURRENT[3:])
      for r, w, st in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))]
     + [(*CURRENT[:3], sp, cp, CURRENT[5])
-       for sp, cp in itertools.product((1, 4, 8, 16), (4, 8, 16))]
+       for sp, cp in itertools.product((1, 4, 8, 16), (2, 4, 8, 16))]
+    # Short chunks spread a short context over more splits (batch 1's serial chain), with
+    # steps of 2 pages inside them.
+    + [(CURRENT[0], CURRENT[1], CURRENT[2], sp, cp, 2)
+       for sp, cp in itertools.product((8, 16), (2, 4))]
     + [(CURRENT[0], w, st, *CURRENT[3:5], step)
        for w, st, step in itertools.product((4, 8), (2, 3, 4), (1, 2, 4))]))
+
+
+NAME = "{}r{}w{}s{}x{}p{}st"
+NAMED = re.compile(r"^(\d+)r(\d+)w(\d+)s(\d+)x(\d+)p(\d+)st$")
+
+
+def candidate(text: str) -> Candidate:
+    """A candidate from its printed name (``16r4w2s8x8p1st``: rows, warps, stages, splits,
+    pages per chunk, pages per step)."""
+    found = NAMED.match(text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a candidate's name "
+                                         "(ROWSrWARPSwSTAGESsSPLITSxCHUNKpSTEPst)")
+    rows, warps, stages, splits, chunk, step = map(int, found.groups())
+    return rows, warps, stages, splits, chunk, step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--model-config", type=Path, metavar="FILE",
                         help="a model's config.json, for its heads (default: Qwen3-0.6B's)")
+    parser.add_argument("--only", type=candidate, nargs="+", metavar="NAME",
+                        help="time these candidates beside the current one (default: all)")
     args = parser.parse_args(argv)
+    candidates = list(dict.fromkeys([CURRENT, *args.only])) if args.only else CANDIDATES
     config = ModelConfig.load(args.model_config) if args.model_config else ModelConfig.default()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
@@ -81,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         arange = torch.arange(n, dtype=torch.int32, device=device)
         ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
         meta = (tables, arange, torch.zeros_like(ones), arange, ones, ctx, ctx.to(torch.int64))
-        outs = {c: torch.empty_like(q) for c in CANDIDATES}
+        outs = {c: torch.empty_like(q) for c in candidates}
         bound_us = (sum(contexts) + n) * hkv * dim * 2 * 2 / bandwidth * 1e6
         times: dict[Candidate, float] = {}
-        for c in CANDIDATES:
+        for c in candidates:
             run = partial(attention.paged_attention, q, k_cache, v_cache, *meta, outs[c],
                           rows=c[0], warps=c[1], stages=c[2], splits=c[3], chunk_pages=c[4],
                           step_pages=c[5])
@@ -97,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         base = outs[current]
         exact = {c: t for c, t in times.items() if torch.equal(outs[c], base)}
         best = min(exact, key=exact.__getitem__)
-        name = "{}r{}w{}s{}x{}p{}st".format
+        name = NAME.format
         print(f"batch {n}: bound {bound_us:.1f} us per layer; " + "  ".join(
             f"{name(*c)} {t:.1f}{'' if c in exact else ' (inexact)'}" for c, t in times.items()))
         fastest = min(times, key=times.__getitem__)
