@@ -31,18 +31,18 @@ ATTN_ROWS = 16
 #: depends on the query's position alone, never on the batch: a long context no
 #: longer makes one program the step's critical path, and the bits stay the same.
 ATTN_CHUNK_PAGES = 8
-ATTN_SPLITS = 8
+#: 4 splits of 2-page steps (docs/gpu.md, "Issue 24, seventh step"; H200, 2026-12-01):
+#: against 8 splits of 1-page steps, 3-4 us less a layer at batches 1 and 8 (a program's
+#: serial chain halved) and as fast or faster from 64 to 512 (half the partials to merge),
+#: at Qwen3-8B's and 0.6B's heads, contexts 328 and 1,024.
+ATTN_SPLITS = 4
 #: Pages a program's loop takes in one step: their keys in one score tile and one
 #: softmax update. A chunk's pages are stepped through from its first, so the steps,
-#: like the chunks, sit at positions fixed by the query alone. Steps of 2 and 4 pages
-#: (more bytes in flight a program, half or a quarter of the serial steps) are
-#: ``benchmarks.attention_tiles``' candidates, not yet timed on a GPU: docs/gpu.md.
-ATTN_STEP_PAGES = 1
+#: like the chunks, sit at positions fixed by the query alone.
+ATTN_STEP_PAGES = 2
 #: The attention kernel's warps and pipeline stages (benchmarks/attention_tiles.py).
 ATTN_WARPS = 4
 ATTN_STAGES = 2
-
-
 
 
 @dataclass
