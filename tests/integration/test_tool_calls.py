@@ -36,9 +36,12 @@ THINKING = "<think>\nThe user wants the weather.\n</think>\n\n"
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     template = tmp_path_factory.mktemp("template") / "verbatim.jinja"
     template.write_text(VERBATIM)
+    # The compile bound under the test's own (120 s): tool_choice="required" (every
+    # function's calls in one automaton) passed the default 20 s in the clean-clone CI
+    # of 2026-12-01 on a 2-core machine, a 400 where the test wants calls.
     with running_stack("shm", mode="echo", timeout=120, serve_args=(
             "--chat-template", str(template), "--reasoning-parser", "qwen3",
-            "--tool-call-parser", "hermes")) as s:
+            "--tool-call-parser", "hermes", "--constraint-compile-timeout", "100")) as s:
         yield s
 
 
