@@ -176,6 +176,9 @@ class Service:
         try:
             compiler.start()
         except ConstraintError as exc:
+            if compiler.closed:  # the worker stops: nothing to say
+                log.debug("the constraint compiler's start ended by its close")
+                return
             log.warning("the constraint compiler did not start ahead of use: %s", exc)
         except Exception:  # nobody awaits this: say it here
             log.exception("the constraint compiler failed to start ahead of use")

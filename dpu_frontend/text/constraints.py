@@ -20,6 +20,7 @@ import hashlib
 import json
 import multiprocessing
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -334,6 +335,9 @@ class ConstraintCompiler:
 
 #: Seconds the compiler's process gets to start and build its vocabulary.
 COMPILER_START_S = 120.0
+#: How often a wait on the child looks whether ``close`` was called meanwhile: a daemon
+#: that stops while its compiler starts or compiles does not wait for either.
+CLOSE_POLL_S = 0.05
 
 
 class CompilerProcess:
@@ -343,7 +347,9 @@ class CompilerProcess:
     ``ConstraintError``, and the child is killed and started again on the next one:
     no compile can hold the daemon's CPU or memory for long. The encoded automata are
     cached here, in the daemon, by the constraint's hash within ``max_entries`` and
-    ``max_cached_bytes``. Thread-safe; each call blocks: run it off the event loop."""
+    ``max_cached_bytes``. Thread-safe; each call blocks: run it off the event loop.
+    ``close`` kills the child at once, also while a start or a compile waits on it (that
+    call is then a ``ConstraintError``), and no child starts after it."""
 
     def __init__(self, tokenizer_file: Path, eos: int, *, vocab_size: int,
                  max_entries: int = 64, max_cached_bytes: int = 512 << 20,
@@ -359,6 +365,7 @@ class CompilerProcess:
         self._lock = threading.Lock()  # one compile at a time, in the one child
         self._child: Any = None  # multiprocessing's Process
         self._conn: Any = None  # its end of the pipe
+        self._closed = threading.Event()  # set by close(), seen by every wait
 
     def encoded(self, spec: ConstraintSpec) -> bytes:
         """The constraint's automaton in its wire form, from the cache or compiled."""
@@ -372,7 +379,7 @@ class CompilerProcess:
                 return cached
             conn = self._started(spec.param)
             conn.send((spec.kind, spec.source, spec.param))
-            if not conn.poll(self.timeout_s):
+            if not self._answered(conn, self.timeout_s, spec.param):
                 self.kills += 1
                 self._stop()
                 raise ConstraintError(f"the constraint did not compile within "
@@ -399,6 +406,10 @@ class CompilerProcess:
             self._started("response_format")
 
     @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
     def running(self) -> bool:
         return self._child is not None and self._child.is_alive()
 
@@ -406,6 +417,9 @@ class CompilerProcess:
         if self.running:
             return self._conn
         self._stop()
+        if self._closed.is_set():
+            raise ConstraintError("the constraint compiler is closed: the daemon is stopping",
+                                  param)
         context = multiprocessing.get_context("spawn")  # no fork of a threaded daemon
         ours, theirs = context.Pipe()
         child = context.Process(target=_compile_loop, name="dpu-frontend-constraints",
@@ -414,7 +428,7 @@ class CompilerProcess:
         child.start()
         theirs.close()
         self._child, self._conn = child, ours
-        if not ours.poll(COMPILER_START_S):
+        if not self._answered(ours, COMPILER_START_S, param):
             self._stop()
             raise ConstraintError("the constraint compiler did not start", param)
         try:
@@ -424,6 +438,21 @@ class CompilerProcess:
             raise ConstraintError("the constraint compiler failed to start", param) from exc
         return ours
 
+    def _answered(self, conn: Any, seconds: float, param: str) -> bool:
+        """Whether the child has answered on ``conn`` within ``seconds``. Waits in slices
+        of ``CLOSE_POLL_S``: once ``close`` is called, the child is stopped and the wait
+        ends in a ``ConstraintError``."""
+        deadline = time.monotonic() + seconds
+        while not self._closed.is_set():
+            left = deadline - time.monotonic()
+            if conn.poll(max(0.0, min(CLOSE_POLL_S, left))):
+                return True
+            if left <= 0:
+                return False
+        self._stop()
+        raise ConstraintError("the constraint compiler was closed: the daemon is stopping",
+                              param)
+
     def _stop(self) -> None:
         if self._child is not None:
             self._child.kill()
@@ -432,6 +461,9 @@ class CompilerProcess:
         self._child = self._conn = None
 
     def close(self) -> None:
+        # The flag first: a start or a compile that holds the lock sees it within
+        # CLOSE_POLL_S, stops the child and lets go.
+        self._closed.set()
         with self._lock:
             self._stop()
 

@@ -6,8 +6,11 @@ ends on must satisfy the constraint."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import threading
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -192,6 +195,38 @@ def test_the_compiler_process_bounds_each_compile_in_time() -> None:
         assert process.cached()[0] == 2
     finally:
         process.close()
+
+
+def test_closing_the_compiler_ends_a_start_that_waits_on_its_child(tmp_path: Path) -> None:
+    """A daemon that stops while its compiler's child is still starting (a slow Arm core,
+    the micro-VM) does not wait for the start: ``close`` kills the child and the start
+    ends in a ConstraintError; nothing starts after. The child here never starts: its
+    tokenizer file is a FIFO that nobody writes."""
+    never = tmp_path / "tokenizer.json"
+    os.mkfifo(never)
+    process = CompilerProcess(never, 0, vocab_size=16)
+    errors: list[Exception] = []
+
+    def start() -> None:
+        try:
+            process.start()
+        except Exception as exc:  # handed to the test's thread
+            errors.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    for _ in range(3000):  # until the child is spawned and the start waits on it
+        if process.running or not starting.is_alive():
+            break
+        starting.join(0.01)
+    assert process.running, errors
+    process.close()
+    starting.join(30)
+    assert not starting.is_alive() and not process.running
+    [error] = errors
+    assert isinstance(error, ConstraintError) and "closed" in str(error)
+    with pytest.raises(ConstraintError, match="closed"):
+        process.encoded(ConstraintSpec.choice(["red", "green"]))
 
 
 @pytest.mark.parametrize("syntax", ["hermes", "llama3_json"])
