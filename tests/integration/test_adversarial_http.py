@@ -61,9 +61,16 @@ async def answer_or_silence(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
+#: The tests that count the daemon's descriptors against its idle count start it without
+#: the structured-output compiler: its process's pipe opens on a thread of its own after
+#: the daemon is ready (4 descriptors), and where they opened after the idle count, it stayed short
+#: (the likely cause of a clean-clone CI failure of 2026-12-01: "kept descriptors").
+NO_COMPILER = ("--constraint-compiler-at-start", "off")
+
+
 async def test_ten_thousand_idle_connections_are_held_within_the_limit() -> None:
     raise_our_open_files_limit()
-    serve = ("--max-connections", str(LIMIT), "--idle-timeout", "600")
+    serve = ("--max-connections", str(LIMIT), "--idle-timeout", "600", *NO_COMPILER)
     with running_stack("shm", tokens_per_s=200, timeout=120, serve_args=serve) as stack:
         host, port = host_port(stack)
         pid = stack.daemon.pid
@@ -110,7 +117,7 @@ async def test_ten_thousand_idle_connections_are_held_within_the_limit() -> None
 
 
 async def test_a_flood_of_new_connections_leaves_an_open_stream_and_no_descriptor() -> None:
-    with running_stack("shm", tokens_per_s=40, timeout=120) as stack:
+    with running_stack("shm", tokens_per_s=40, timeout=120, serve_args=NO_COMPILER) as stack:
         pid = stack.daemon.pid
         idle_fds = open_fds(pid)
         slow = {**STREAM, "max_tokens": 80}  # two seconds at 40 tokens/s: the flood's length
