@@ -1,4 +1,4 @@
-"""The CUDA side's memory order, read from its sources: CI has neither a GPU nor nvcc.
+"""The CUDA side's memory order, read from its sources: CI has no GPU to run them on.
 
 The kernels' loads and stores cannot run here, so their order is read from the
 text, function by function (``__device__``, ``__global__``, ``DPUF_HD``: the body
@@ -54,7 +54,8 @@ import dpu_frontend
 #: Every CUDA source of the package (and the protocol header), found by name wherever
 #: it lives in the package.
 SOURCES = ("ring_protocol.h", "ring_device.cuh", "record_writer.cuh", "record_writer.cu",
-           "peer_kernel.cu", "scheduler.cu", "cuda_host.cuh", "cuda_driver.cuh")
+           "peer_kernel.cu", "scheduler.cu", "cuda_host.cuh", "cuda_driver.cuh",
+           "automaton_pool.cuh")
 ORDERED = ("seq", "resp_produced", "req_consumed", "epoch")
 STORES = ("store_vol_u32", "store_vol_u64", "volatile store", "copy_prompt", "reset_rings")
 BARRIERS = ("__syncthreads", "__syncwarp")

@@ -30,8 +30,8 @@ RECORDS = CudaSources("libdpuf_records", "record_writer.cu",
 #: needs the device runtime, so relocatable device code and libcudadevrt.
 SCHEDULER = CudaSources("libdpuf_sched", "scheduler.cu",
                         ("scheduler.h", "sched_core.h", "record_writer.cuh", "record_writer.h",
-                         "ring_device.cuh", "cuda_host.cuh", "cuda_driver.cuh", "device_info.h",
-                         "ring_protocol.h"),
+                         "automaton_pool.cuh", "ring_device.cuh", "cuda_host.cuh", "cuda_driver.cuh",
+                         "device_info.h", "ring_protocol.h"),
                         _DIRS, flags=("-rdc=true", "-lcudadevrt"))
 #: The scheduler's core built for the host (``sched_core.py``, the tests).
 SCHED_HOST = CudaSources("libdpuf_sched_host", "sched_host.c", ("sched_core.h",), _DIRS)

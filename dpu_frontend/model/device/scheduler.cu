@@ -41,6 +41,7 @@
 #define DPUF_SOURCE "scheduler.cu"
 #include "cuda_host.cuh"
 #include "cuda_driver.cuh"
+#include "automaton_pool.cuh"
 #include "record_writer.cuh"
 #include "ring_device.cuh"
 
@@ -68,20 +69,6 @@ struct entry_info {
     int64_t top_k; /* 0: off */
     uint32_t penalized;
     int32_t automaton; /* structured output: its automaton_slot, -1: none */
-};
-
-/* Structured output: an automaton in the pool (the runner's DeviceAutomata,
- * model/layers/constrain.py: its six arrays from word `base`), one per
- * constraint (key and size: the protocol's "one key, one automaton"), counted
- * by the sequences walking it; kept unused until its room is needed. */
-struct automaton_slot {
-    uint64_t key;
-    uint64_t base, words; /* its place in the pool, whole 128-byte lines */
-    uint64_t used_at;     /* ctl->passes when last taken: the least recent goes first */
-    uint32_t bytes;       /* its total_bytes */
-    uint32_t users;
-    uint32_t live;
-    uint32_t states, list_len, dense, eos;
 };
 
 /* The ring's state of a channel (ring_device.cuh: next request, mailbox ack,
@@ -139,12 +126,11 @@ struct sched_args {
     int32_t samples[DPUF_SCHED_MAX_GRAPHS]; /* sampler rows of each graph */
     cudaGraphExec_t forward[DPUF_SCHED_MAX_GRAPHS];
     cudaGraphExec_t sampler[DPUF_SCHED_MAX_GRAPHS][DPUF_MODEL_VARIANTS];
-    /* Structured output (dpuf_model_params). */
-    int32_t *apool;
-    uint64_t apool_words;
+    /* Structured output (dpuf_model_params): the pool (automaton_pool.cuh), and the
+     * sampler's view of each slot's automaton. */
+    automaton_pool automata;
     int64_t *ameta;  /* [max_seqs + 1][6]: base, states, list length, vocabulary, end token, on */
     int64_t *astate; /* [max_seqs + 1] */
-    automaton_slot *autos; /* [DPUF_MODEL_MAX_AUTOMATA] */
 };
 
 /* The scheduler's timed phases (dpuf_model_stats.ns_*). */
@@ -188,228 +174,12 @@ __device__ uint64_t fresh_seed(uint64_t x) {
 
 /* ---- structured output's automata ------------------------------------------ */
 
-/* Where request wd's automaton lies in channel d's arena (ring_device.cuh's
- * read_request checked the span). */
-__device__ __forceinline__ const uint8_t *automaton_at(const sched_args &a, const dpuf_channel_desc *d,
-                                                       const uint32_t *wd) {
-    return a.region + d->arena_offset + req_u64(wd, REQ_ARENA) + automaton_offset(wd[REQ_PROMPT_LEN]);
-}
-
-/* A size an automaton can have: a header and whole 32-bit words. */
-__device__ __forceinline__ bool automaton_sized(uint32_t bytes) {
-    return bytes >= DPUF_AUTOMATON_HEADER_SIZE && bytes % 4u == 0;
-}
-
-/* The pool words an automaton of `bytes` takes: its arrays, whole 128-byte lines. */
-__device__ __forceinline__ uint64_t automaton_words(uint32_t bytes) {
-    return ((uint64_t)(bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u + 31u) / 32u * 32u;
-}
-
-/* One thread: the 64-byte header, fresh (the arena span is rewritten for later
- * requests). */
-__device__ void automaton_header(const uint8_t *at, uint32_t *h) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint4 v = __ldcv((const uint4 *)at + i);
-        h[4 * i] = v.x;
-        h[4 * i + 1] = v.y;
-        h[4 * i + 2] = v.z;
-        h[4 * i + 3] = v.w;
-    }
-}
-#define AUT_VOCAB 3
-#define AUT_EOS 4
-#define AUT_STATES 5
-#define AUT_LIST 6
-#define AUT_MASK_WORDS 7
-#define AUT_DENSE 8
-#define AUT_TOTAL 9
-#define AUT_KEY 10
-static_assert(offsetof(dpuf_automaton, vocab_size) == 4 * AUT_VOCAB && offsetof(dpuf_automaton, eos) == 4 * AUT_EOS &&
-                  offsetof(dpuf_automaton, states) == 4 * AUT_STATES &&
-                  offsetof(dpuf_automaton, list_len) == 4 * AUT_LIST &&
-                  offsetof(dpuf_automaton, mask_words) == 4 * AUT_MASK_WORDS &&
-                  offsetof(dpuf_automaton, dense_states) == 4 * AUT_DENSE &&
-                  offsetof(dpuf_automaton, total_bytes) == 4 * AUT_TOTAL && offsetof(dpuf_automaton, key) == 4 * AUT_KEY,
-              "the automaton header's words");
-
-/* Thread 0: the slot holding the automaton (key, bytes), -1: none. */
-__device__ int32_t automata_find(const sched_args &a, uint64_t key, uint32_t bytes) {
-    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++) {
-        const automaton_slot &t = a.autos[k];
-        if (t.live && t.key == key && t.bytes == bytes) return (int32_t)k;
-    }
-    return -1;
-}
-
-/* Does slot t hold room (for automata_fit)? Live, and with `in_use` only if a
- * sequence walks it (unused copies counted as evictable). */
-__device__ __forceinline__ bool automaton_holds(const automaton_slot &t, bool in_use) {
-    return t.live && (!in_use || t.users > 0);
-}
-
-/* Thread 0: the lowest start of a free run of `words` pool words, UINT64_MAX:
- * none (the candidates: the pool's start and the end of each copy). `in_use`:
- * as if every unused copy were gone. */
-__device__ uint64_t automata_fit(const sched_args &a, uint64_t words, bool in_use = false) {
-    uint64_t best = UINT64_MAX;
-    if (words > a.apool_words) return best;
-    for (int32_t c = -1; c < (int32_t)DPUF_MODEL_MAX_AUTOMATA; c++) {
-        if (c >= 0 && !automaton_holds(a.autos[c], in_use)) continue;
-        const uint64_t start = c < 0 ? 0 : a.autos[c].base + a.autos[c].words;
-        if (start >= best || start > a.apool_words - words) continue;
-        bool clear = true;
-        for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA && clear; k++) {
-            const automaton_slot &t = a.autos[k];
-            clear = !automaton_holds(t, in_use) || t.base >= start + words || start >= t.base + t.words;
-        }
-        if (clear) best = start;
-    }
-    return best;
-}
-
-/* Thread 0: a free slot of the table, -1: none. */
-__device__ int32_t automata_free_slot(const sched_args &a) {
-    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++)
-        if (!a.autos[k].live) return (int32_t)k;
-    return -1;
-}
-
-/* Thread 0: is there room for the automaton (key, bytes)? The pool holds it,
- * or a slot and a run of words are free once unused copies are evicted (the
- * least recently taken first). False: the request waits. */
-__device__ bool automata_room(const sched_args &a, uint64_t key, uint32_t bytes) {
-    if (automata_find(a, key, bytes) >= 0) return true;
-    const uint64_t words = automaton_words(bytes);
-    /* Evict nothing where evicting every unused copy would not make room: those
-     * copies stay for the requests that bring them again. */
-    bool slot = false;
-    for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA && !slot; k++) slot = !automaton_holds(a.autos[k], true);
-    if (!slot || automata_fit(a, words, true) == UINT64_MAX) return false;
-    for (;;) {
-        if (automata_free_slot(a) >= 0 && automata_fit(a, words) != UINT64_MAX) return true;
-        int32_t victim = -1;
-        for (uint32_t k = 0; k < DPUF_MODEL_MAX_AUTOMATA; k++) {
-            const automaton_slot &t = a.autos[k];
-            if (t.live && t.users == 0 && (victim < 0 || t.used_at < a.autos[victim].used_at)) victim = (int32_t)k;
-        }
-        if (victim < 0) return false;
-        a.autos[victim].live = 0;
-        a.stats->automata_evicted++;
-    }
-}
-
-/* Thread 0: the automaton of a GENERATE of channel d, its room judged
- * (automata_room): the pool's copy, one more user, or, for an automaton the
- * pool does not hold, its header checked and a place made (sm.auto_fresh: to
- * copy and check). sm.auto_bad: the header fails a check. */
-__device__ void automata_take(const sched_args &a, const dpuf_channel_desc *d, const uint32_t *wd, sched_smem &sm) {
-    sm.automaton = -1;
-    sm.auto_fresh = sm.auto_bad = 0;
-    const uint32_t bytes = wd[REQ_AUTOMATON];
-    if (!automaton_sized(bytes)) { /* not even a header: nothing to read */
-        sm.auto_bad = 1;
-        return;
-    }
-    uint32_t h[16];
-    automaton_header(automaton_at(a, d, wd), h);
-    const uint64_t key = h[AUT_KEY] | (uint64_t)h[AUT_KEY + 1] << 32;
-    int32_t k = automata_find(a, key, bytes);
-    if (k < 0) {
-        const uint32_t vocab = a.vocab, mask_words = (vocab + 31u) / 32u;
-        const uint64_t S = h[AUT_STATES], L = h[AUT_LIST], D = h[AUT_DENSE];
-        const uint64_t need = DPUF_AUTOMATON_HEADER_SIZE + 4u * ((S + 1) + 2 * L + 2 * S + D * mask_words);
-        /* "DPUFAUT1", little-endian */
-        if (h[0] != 0x46555044u || h[1] != 0x31545541u || h[2] != DPUF_AUTOMATON_HEADER_SIZE || h[AUT_VOCAB] != vocab ||
-            h[AUT_MASK_WORDS] != mask_words || h[AUT_EOS] >= vocab || S < 1 || D > S || h[AUT_TOTAL] != bytes ||
-            need != bytes) {
-            sm.auto_bad = 1;
-            return;
-        }
-        const uint64_t words = automaton_words(bytes);
-        k = automata_free_slot(a);
-        const uint64_t base = k >= 0 ? automata_fit(a, words) : UINT64_MAX;
-        if (base == UINT64_MAX) { /* judged, so never: refused rather than trusted */
-            sm.auto_bad = 1;
-            return;
-        }
-        automaton_slot &t = a.autos[k];
-        t.key = key;
-        t.bytes = bytes;
-        t.base = base;
-        t.words = words;
-        t.users = 0;
-        t.live = 1;
-        t.states = (uint32_t)S;
-        t.list_len = (uint32_t)L;
-        t.dense = (uint32_t)D;
-        t.eos = h[AUT_EOS];
-        sm.auto_fresh = 1;
-    }
-    a.autos[k].users++;
-    a.autos[k].used_at = a.ctl->passes;
-    sm.automaton = k;
-}
-
-/* Is `i` where some state's list starts (list_start[s] == i)? A binary search:
- * a list_start that is not ascending fails its own check anyway. */
-__device__ bool list_starts_at(const int32_t *list_start, int64_t states, int64_t i) {
-    int64_t lo = 0, hi = states;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (list_start[mid] < i) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo <= states && list_start[lo] == i;
-}
-
-/* All threads: does the copy in slot t fail a check of decode_automaton's
- * (ring/automaton.py)? Each index within its array, each list ascending ids
- * below the vocabulary, each dense state with a default and a whole bitmask
- * of its own offset, D of them, no bit past the vocabulary, every state
- * allowing a token. (Not checked: two dense states sharing one bitmask; the
- * walk is the same either way.) */
-__device__ bool automaton_faulty(const sched_args &a, const automaton_slot &t, sched_smem &sm) {
-    const int32_t *w = a.apool + t.base;
-    const int64_t S = t.states, L = t.list_len, W = (a.vocab + 31u) / 32u;
-    const int32_t *list_start = w, *tokens = w + S + 1, *next = tokens + L, *dflt = next + L, *mask_at = dflt + S;
-    const uint32_t *masks = (const uint32_t *)(mask_at + S);
-    const uint32_t dense = t.dense;
-    bool bad = threadIdx.x == 0 && (list_start[0] != 0 || list_start[S] != L);
-    uint32_t seen_dense = 0;
-    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) bad |= list_start[s] > list_start[s + 1];
-    for (int64_t i = threadIdx.x; i < L; i += blockDim.x) {
-        bad |= tokens[i] < 0 || (uint32_t)tokens[i] >= a.vocab || next[i] < 0 || next[i] >= S;
-        if (i + 1 < L && tokens[i] >= tokens[i + 1]) bad |= !list_starts_at(list_start, S, i + 1);
-    }
-    for (int64_t s = threadIdx.x; s < S; s += blockDim.x) {
-        const int32_t m = mask_at[s], d = dflt[s];
-        bool allows = list_start[s] < list_start[s + 1];
-        if (m == DPUF_AUTOMATON_NONE) {
-            bad |= d != DPUF_AUTOMATON_NONE;
-        } else if (m < 0 || m % W != 0 || m / W >= (int64_t)dense || d < 0 || d >= S) {
-            bad = true;
-        } else {
-            seen_dense++;
-            /* No bit past the vocabulary (the walk would not read it: a state whose
-             * only bits lie there would allow nothing). */
-            const uint32_t tail = a.vocab % 32u;
-            if (tail) bad |= (masks[m + W - 1] & ~((1u << tail) - 1u)) != 0;
-            for (int64_t j = 0; j < W && !allows; j++) allows = masks[m + j] != 0;
-        }
-        bad |= !allows;
-    }
-    if (seen_dense) atomicAdd(&sm.auto_dense, seen_dense);
-    bad = __syncthreads_or(bad);
-    return bad || sm.auto_dense != dense;
-}
-
 /* ---- A. publish and retire ------------------------------------------------ */
 
 /* Thread 0: sequence e ends; its automaton has one user less. */
 __device__ void retire(const sched_args &a, int32_t e) {
     entry_info *en = a.entries + e;
-    if (en->automaton >= 0) a.autos[en->automaton].users--;
+    if (en->automaton >= 0) a.automata.slots[en->automaton].users--;
     en->automaton = -1;
     dpuf_sched_finish(a.s, e);
 }
@@ -556,10 +326,12 @@ struct sched_intake {
              * automaton has is answered with an error (automata_take). */
             const uint32_t bytes = wd[REQ_AUTOMATON];
             if (!automaton_sized(bytes)) return verdict;
-            if (automaton_words(bytes) > a.apool_words) return V_BAD;
+            if (automaton_words(bytes) > a.automata.pool_words) return V_BAD;
             uint32_t h[16];
-            automaton_header(automaton_at(a, a.channels + c, wd), h);
-            if (!automata_room(a, h[AUT_KEY] | (uint64_t)h[AUT_KEY + 1] << 32, bytes)) return V_NONE;
+            automaton_header(automaton_at(a.region, a.channels + c, wd), h);
+            if (!automata_room(a.automata, automaton_key(h), bytes, automaton_words(bytes),
+                               &a.stats->automata_evicted))
+                return V_NONE;
         }
         return verdict;
     }
@@ -600,7 +372,7 @@ struct sched_intake {
             fill_entry(a, e, c, wd);
             entry_info *en = a.entries + e;
             en->automaton = constrained ? sm.automaton : -1;
-            if (constrained && !ends_at(en, a.autos[sm.automaton].eos)) {
+            if (constrained && !ends_at(en, a.automata.slots[sm.automaton].eos)) {
                 retire(a, e); /* its automaton's user counted off */
                 refused = true;
             }
@@ -620,21 +392,20 @@ struct sched_intake {
      * check (counted bad; its place freed). */
     __device__ bool take_automaton(const uint32_t *wd) const {
         if (threadIdx.x == 0) {
-            automata_take(a, a.channels + c, wd, sm);
+            const automaton_taken taken = automata_take(a.automata, automaton_at(a.region, a.channels + c, wd),
+                                                        wd[REQ_AUTOMATON], a.ctl->passes);
+            sm.automaton = taken.slot;
+            sm.auto_fresh = taken.fresh;
+            sm.auto_bad = taken.bad;
             sm.auto_dense = 0;
         }
         __syncthreads();
         bool bad = sm.auto_bad != 0;
-        if (!bad && sm.auto_fresh) {
-            const automaton_slot &t = a.autos[sm.automaton];
-            const uint32_t bytes = wd[REQ_AUTOMATON];
-            copy_prompt((const uint32_t *)(automaton_at(a, a.channels + c, wd) + DPUF_AUTOMATON_HEADER_SIZE),
-                        (uint32_t *)(a.apool + t.base), (bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u);
-            __syncthreads();
-            bad = automaton_faulty(a, t, sm);
-        }
+        if (!bad && sm.auto_fresh)
+            bad = automaton_copy_faulty(a.automata, a.automata.slots[sm.automaton],
+                                        automaton_at(a.region, a.channels + c, wd), &sm.auto_dense);
         if (threadIdx.x == 0 && bad) {
-            if (sm.automaton >= 0) a.autos[sm.automaton].live = 0; /* its only user */
+            if (sm.automaton >= 0) a.automata.slots[sm.automaton].live = 0; /* its only user */
             sm.automaton = -1;
             a.stats->automata_refused++;
             a.chan[c].counters[CNT_BAD]++;
@@ -706,12 +477,12 @@ __device__ void load_admitted(const sched_args &a) {
             op[6] = en->n_stop;
             op[7] = 0;
             for (uint32_t i = 0; i < DPUF_MAX_STOP_TOKEN_IDS; i++) op[8 + i] = en->stop[i];
-            if (a.apool_words) {
+            if (a.automata.pool_words) {
                 /* The slot's automaton for the sampler's mask and state step
                  * (DeviceAutomata's meta row), walked from its start. */
                 int64_t *meta = a.ameta + (uint64_t)q->slot * 6u;
                 if (en->automaton >= 0) {
-                    const automaton_slot &t = a.autos[en->automaton];
+                    const automaton_slot &t = a.automata.slots[en->automaton];
                     meta[0] = (int64_t)t.base;
                     meta[1] = t.states;
                     meta[2] = t.list_len;
@@ -1154,7 +925,7 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
         device_alloc(m, &a->wstate, sizeof(dpuf_writer_channel) * n) ||
         device_alloc(m, &a->wslots, sizeof(writer_slot) * c->max_seqs) ||
         device_alloc(m, &a->stats, sizeof(dpuf_model_stats)) || device_alloc(m, &m->d_args, sizeof(sched_args)) ||
-        device_alloc(m, &a->autos, sizeof(automaton_slot) * DPUF_MODEL_MAX_AUTOMATA))
+        device_alloc(m, &a->automata.slots, sizeof(automaton_slot) * DPUF_MODEL_MAX_AUTOMATA))
         return -1;
     DPUF_CHECK(mailbox_area_alloc(n, &m->mbx_host, &dev));
     a->kblock = (dpuf_kernel_block *)dev;
@@ -1182,8 +953,11 @@ static int model_setup(dpuf_model *m, const dpuf_model_params *p) {
     a->out_logprob = p->out_logprob;
     a->out_top_ids = p->out_top_ids;
     a->out_top_logprobs = p->out_top_logprobs;
-    a->apool = p->automata;
-    a->apool_words = p->automata ? p->automata_words : 0;
+    a->automata.n_slots = DPUF_MODEL_MAX_AUTOMATA;
+    a->automata.vocab = p->vocab;
+    a->automata.words = p->automata;
+    a->automata.pool_words = p->automata ? p->automata_words : 0;
+    a->automata.distances = false; /* the sampler masks by the automaton: no walk of its own */
     a->ameta = p->automaton_meta;
     a->astate = p->automaton_state;
     memcpy(a->eos, p->eos, sizeof a->eos);
