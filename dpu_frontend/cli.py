@@ -57,13 +57,11 @@ PEER_LOGGING = Flags(LoggingConfig(), omit=frozenset({"format"}), prefix="log_")
 def gpu_peer_flags() -> Flags[GpuPeerConfig]:
     """``gpu-peer``'s: GPU_GEOMETRY's rings; neither the host loop's pace and clock (the
     kernel paces itself: --step-us, --heartbeat-us) nor --logprobs (its replay has no
-    distribution to give them of), nor --max-automaton-bytes (it walks no automaton
-    yet). A function: the build directory's default follows the environment when it is
-    called, as ``GpuPeerConfig()``'s does."""
+    distribution to give them of). A function: the build directory's default follows the
+    environment when it is called, as ``GpuPeerConfig()``'s does."""
     host_loop = {f"peer.{name}" for name in (*REFERENCE_PACE, "tick_s", "heartbeat_s")}
     return Flags(GpuPeerConfig(peer=PeerConfig(geometry=GPU_GEOMETRY)),
-                 omit=frozenset({*host_loop, "peer.geometry.logprobs",
-                                 "peer.geometry.max_automaton_bytes"}))
+                 omit=frozenset({*host_loop, "peer.geometry.logprobs"}))
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,10 @@ host CPU never touches a token. Where the region lives:
   dma-buf or nvidia-peermem (``gpu/registration.py``), after checking the
   device's GPUDirect RDMA write ordering.
 
+Structured output: the rings take automata of up to ``--max-automaton-bytes``, which
+the kernel keeps in a pool of ``--automaton-pool-bytes`` of GPU memory and walks in its
+replay and echo as the Python peer does; with no pool, the rings offer none.
+
 The transport's provider decides which (``peer/region.py``); ``gpu/persistent.py``
 does the rest, as for the scheduler inside the GPU.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import replace
 
 from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.options import GpuPeerConfig
@@ -40,11 +45,13 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
     what = "the persistent kernel"
 
     def __init__(self, config: GpuPeerConfig, corpus: list[list[int]],
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], vocab_size: int = 0) -> None:
         super().__init__(config.device)
         self.config = config
         self._corpus = corpus
         self._eos = eos_token_ids
+        #: Structured output: automata are over this vocabulary (the tokenizer's).
+        self._vocab_size = vocab_size
 
     def _load_library(self) -> PeerLibrary:
         cfg = self.config
@@ -65,6 +72,7 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
             raise StartupError(f"the tokenizer has {len(self._eos)} EOS ids; the CUDA peer "
                                "takes at most 8")
         eos = list(self._eos)
+        constrained = any(ch.constraints for ch in layout.channels)
         return PeerParams(
             region_host=region_host, region_size=layout.region_size,
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),
@@ -74,12 +82,26 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
             eos=(ctypes.c_uint32 * 8)(*eos, *([0] * (8 - len(eos)))), eos_count=len(eos),
             engine_blocks=cfg.engine_blocks, step_ns=int(cfg.step_us * 1000),
             prefill_ns_per_token=int(cfg.prefill_us_per_token * 1000),
-            heartbeat_ns=int(cfg.heartbeat_us * 1000), device=cfg.device, reserved=0,
+            heartbeat_ns=int(cfg.heartbeat_us * 1000), device=cfg.device,
+            vocab=self._vocab_size,
+            automaton_pool_bytes=cfg.automaton_pool_bytes if constrained else 0,
         )
+
+
+def structured_output(config: GpuPeerConfig) -> GpuPeerConfig:
+    """The rings' structured output (FEATURE_CONSTRAINTS): the kernel walks the automata
+    within its pool; off without one (``--automaton-pool-bytes 0``)."""
+    geometry = config.peer.geometry
+    if not geometry.max_automaton_bytes or config.automaton_pool_bytes:
+        return config
+    log.info("structured output is off: --automaton-pool-bytes 0")
+    return replace(config, peer=replace(config.peer, geometry=replace(
+        geometry, max_automaton_bytes=0)))
 
 
 async def run_gpu_peer(config: GpuPeerConfig) -> int:
     """``dpu-frontend gpu-peer``: serve until SIGTERM/SIGINT."""
+    config = structured_output(config)
     source = TokenSource.load(config.peer, "dpu-frontend-gpu-peer")
-    kernel = CudaKernel(config, source.corpus, source.eos_token_ids)
+    kernel = CudaKernel(config, source.corpus, source.eos_token_ids, source.vocab_size)
     return await serve_peer(PeerServer(config.peer, kernel, source.model))

@@ -13,13 +13,29 @@ from dpu_frontend.config import PeerConfig
 from dpu_frontend.flags import about, flat
 from dpu_frontend.gpu.runtime import default_build_dir
 from dpu_frontend.ring import Geometry
+from dpu_frontend.ring.layout import AUTOMATON_HEADER_SIZE
 
 #: GPU-like defaults: a decode step emits one record per running sequence, so a
 #: channel runs up to 1024 sequences with a response ring of two steps of them.
 #: The kernel's token source has no distribution to give log probabilities of: 64-byte
 #: slots of plain ids, FEATURE_LOGPROBS off (a request asking for them gets a 400).
+#: Its replay walks structured output's automata of up to 4 MiB (a regex, a choice, a
+#: small schema over Qwen3's vocabulary; larger ones get the daemon's 400), beside the
+#: longest prompt in the arena.
 GPU_GEOMETRY = Geometry(max_sequences=1024, resp_slots=2048, max_prompt_tokens=32768,
-                        arena_bytes=8 << 20, resp_slot_size=64, logprobs=False)
+                        arena_bytes=8 << 20, resp_slot_size=64, logprobs=False,
+                        max_automaton_bytes=4 << 20)
+
+
+def automaton_pool_need(max_automaton_bytes: int) -> int:
+    """The pool bytes the largest automaton of ``max_automaton_bytes`` can take in the
+    kernel: its arrays in whole 128-byte lines, and a distance for each of at most
+    ``(bytes - header) / 12`` states (peer_kernel.cu's ``automaton_pool_need``)."""
+    if max_automaton_bytes < AUTOMATON_HEADER_SIZE:
+        return 0
+    body = max_automaton_bytes - AUTOMATON_HEADER_SIZE
+    lines = -(-(body // 4) // 32) + -(-(body // 12) // 32)
+    return lines * 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +53,9 @@ class GpuPeerConfig:
         "simulated prefill cost per prompt token, microseconds"))
     heartbeat_us: float = field(default=100.0, metadata=about(
         "period of the heartbeat warp, microseconds"))
+    automaton_pool_bytes: int = field(default=64 << 20, metadata=about(
+        "GPU memory for structured output's automata, each with its states' distances; "
+        "at least what the largest (--max-automaton-bytes) takes, 0: no structured output"))
     library: Path | None = field(default=None, metadata=about(
         "a prebuilt libdpuf_peer.so", none="build"))
     build_dir: Path = field(default_factory=default_build_dir, metadata=about(
@@ -52,3 +71,12 @@ class GpuPeerConfig:
             raise ValueError("step_us and prefill_us_per_token must be >= 0")
         if not 1 <= self.heartbeat_us <= 100_000:
             raise ValueError("heartbeat_us must be in [1, 100000]")
+        largest = self.peer.geometry.max_automaton_bytes
+        if self.automaton_pool_bytes < 0:
+            raise ValueError("automaton_pool_bytes must be >= 0")
+        if largest and self.automaton_pool_bytes and (
+                self.automaton_pool_bytes < automaton_pool_need(largest)):
+            raise ValueError(f"automaton_pool_bytes ({self.automaton_pool_bytes}) must hold the "
+                             f"largest automaton, {automaton_pool_need(largest)} bytes with its "
+                             f"distances for --max-automaton-bytes {largest} (or 0: no "
+                             "structured output)")

@@ -10,7 +10,14 @@
  *     channel on its own clock, so that a long step never looks like a dead
  *     GPU to the DPU.
  * The token source (replay of a corpus, or echo of the prompt) produces the
- * same token streams as dpu_frontend/peer/generator.py, byte for byte.
+ * same token streams as dpu_frontend/peer/generator.py, byte for byte. A
+ * constrained request (structured output) walks its automaton as the Python
+ * peer's AutomatonWalk does (automaton_walk.h): block 0 takes the automaton
+ * out of the arena into the peer's pool (automaton_pool.cuh, one copy per
+ * constraint), checks it and sweeps its states' distances to the end; the
+ * owning warp's lane 0 then takes the source's token where the automaton
+ * allows it and the end stays within max_tokens, else the token nearest the
+ * end.
  *
  * Build (no -rdc: grid-wide sync of cooperative groups needs none):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC,-Wall -shared \
@@ -27,6 +34,8 @@
 
 #define DPUF_SOURCE "peer_kernel.cu"
 #include "cuda_host.cuh"
+#include "automaton_pool.cuh"
+#include "automaton_walk.h"
 #include "cuda_driver.cuh"
 #include "ring_device.cuh"
 
@@ -47,12 +56,15 @@ namespace cg = cooperative_groups;
 #define ENGINE_THREADS 128u             /* threads per engine block: 4 warps */
 #define ENGINE_WARPS (ENGINE_THREADS / 32u)
 #define MAX_ENGINE_BLOCKS_DEFAULT 132u  /* engine_blocks == 0: one per SM, at most this */
+#define PEER_MAX_AUTOMATA 64u           /* automata the pool holds at once, at most */
 
 /* ======================================================================== */
 /* Device helpers and GPU-local state                                       */
 /* ======================================================================== */
 
-enum : uint32_t { SEQ_FREE = 0, SEQ_ACTIVE = 1, SEQ_CANCELLED = 2 };
+/* SEQ_FAILED: a constrained GENERATE whose automaton failed its checks; its
+ * owning warp answers it with an error record (refused, never admitted). */
+enum : uint32_t { SEQ_FREE = 0, SEQ_ACTIVE = 1, SEQ_CANCELLED = 2, SEQ_FAILED = 3 };
 
 /* One sequence (an admitted GENERATE). GPU memory only: the DPU never sees
  * it. Written by block 0 at admission, then only by the warp that owns the
@@ -73,6 +85,8 @@ struct seq_entry {
     uint32_t has_pending;     /* a record is drawn and waits for ring space */
     uint32_t pending_n;       /* its tokens (in chan_state::pending) */
     uint32_t pending_finish;  /* its DPUF_FINISH_* */
+    int32_t automaton;        /* a constrained sequence's automaton_slot, -1: none */
+    int32_t astate;           /* ... and its state in it */
 };
 
 /* Everything the kernel keeps per channel, in GPU memory: the ring's state
@@ -92,6 +106,14 @@ struct chan_state : ring_channel {
 struct engine_ctl {
     uint32_t quit; /* block 0 thread 0 decides, everyone reads after the next grid barrier */
     uint32_t busy; /* some warp served a sequence this step */
+    uint64_t automata_evicted; /* unused automata evicted for room */
+};
+
+/* Block 0's scratch: the ring's, then a constrained GENERATE's automaton. */
+struct peer_smem {
+    ring_smem ring;
+    automaton_taken taken;
+    uint32_t dense; /* its dense states, counted by the check */
 };
 
 struct engine_args {
@@ -112,6 +134,7 @@ struct engine_args {
     uint32_t eos_count;
     uint64_t step_ns;
     uint64_t prefill_ns_per_token;
+    automaton_pool automata; /* structured output (pool_words 0: none) */
 };
 
 /* The shadow array is GPU memory read only by this kernel: device scope is
@@ -176,8 +199,34 @@ __device__ __forceinline__ bool is_eos(const engine_args &a, uint32_t t) {
     return hit;
 }
 
+/* Slot t's automaton as the walk reads it, in the pool. */
+__device__ __forceinline__ dpuf_walk slot_walk(const automaton_pool &p, const automaton_slot &t) {
+    return dpuf_walk_view((const uint32_t *)(p.words + t.base), (int32_t)p.vocab, (int32_t)t.eos,
+                          (int32_t)t.states, (int32_t)t.list_len, (int32_t)((p.vocab + 31u) / 32u));
+}
+
+/* Slot t's distances: one word a state, after its arrays. */
+__device__ __forceinline__ int32_t *slot_distances(const automaton_pool &p, const automaton_slot &t) {
+    return p.words + t.base + automaton_words(t.bytes);
+}
+
+/* All threads of block 0: each state's distance to the end (automaton_walk.h's
+ * relaxation), the threads sweeping their shares of the states at once, a
+ * barrier between sweeps, until a sweep lowers none. */
+__device__ void sweep_distances(const automaton_pool &p, const automaton_slot &t) {
+    const dpuf_walk w = slot_walk(p, t);
+    int32_t *dist = slot_distances(p, t);
+    for (uint32_t s = threadIdx.x; s < t.states; s += blockDim.x) dist[s] = DPUF_WALK_UNREACHABLE;
+    __syncthreads();
+    while (__syncthreads_or(dpuf_walk_relax(&w, dist, (int32_t)threadIdx.x, (int32_t)blockDim.x))) {
+    }
+}
+
 /* One step of one ACTIVE sequence: at most K tokens into out[], and the
- * finish reason. Runs on the owning warp's lane 0. */
+ * finish reason. A constrained sequence's walk picks each token from the
+ * source's (AutomatonWalk.choose): its automaton's end token ends it with
+ * STOP, a state with no end in reach with ERROR. Runs on the owning warp's
+ * lane 0. */
 __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *prompt, uint32_t *out,
                           uint32_t *n_out, uint32_t *finish_out) {
     uint32_t stop[DPUF_MAX_STOP_TOKEN_IDS];
@@ -190,18 +239,45 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
     uint32_t emitted = en->emitted;
     uint64_t cursor = en->cursor;
     uint32_t n = 0, finish = DPUF_FINISH_NONE;
+    const bool walks = en->automaton >= 0;
+    dpuf_walk w = {};
+    const int32_t *dist = NULL;
+    int32_t state = en->astate;
+    if (walks) {
+        const automaton_slot &slot = a.automata.slots[en->automaton];
+        w = slot_walk(a.automata, slot);
+        dist = slot_distances(a.automata, slot);
+    }
 
     while (n < a.tokens_per_step && emitted + n < max_tokens) {
-        uint32_t t;
+        uint32_t t = 0;
+        bool ended = false; /* echo: the source has ended */
         if (a.mode == DPUF_MODE_ECHO) {
-            if (cursor >= prompt_len) { /* the source has ended */
-                finish = DPUF_FINISH_STOP;
-                break;
-            }
-            t = prompt[cursor++];
+            if (cursor >= prompt_len)
+                ended = true;
+            else
+                t = prompt[cursor++];
         } else { /* replay walks the corpus cyclically: it never ends */
             t = __ldg(a.corpus + cursor);
             cursor = (cursor + 1 == a.corpus_len) ? 0 : cursor + 1;
+        }
+        if (walks) {
+            const int32_t chosen = dpuf_walk_choose(&w, dist, &state, ended ? DPUF_WALK_NONE : (int32_t)t,
+                                                    (int64_t)max_tokens - emitted - n);
+            if (chosen == DPUF_WALK_NONE) { /* no end is reachable from here */
+                finish = DPUF_FINISH_ERROR;
+                break;
+            }
+            if (chosen == w.eos) { /* the text may end here: it does, whatever ignore_eos says */
+                finish = DPUF_FINISH_STOP;
+                break;
+            }
+            t = (uint32_t)chosen;
+            ended = false;
+        }
+        if (ended) {
+            finish = DPUF_FINISH_STOP;
+            break;
         }
         const bool eos = is_eos(a, t);
         if (eos && ignore_eos) continue; /* skipped: not emitted, not counted */
@@ -218,6 +294,7 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
     if (finish == DPUF_FINISH_NONE && emitted >= max_tokens) finish = DPUF_FINISH_LENGTH;
     en->emitted = emitted;
     en->cursor = cursor;
+    en->astate = state;
     *n_out = n;
     *finish_out = finish;
 }
@@ -232,13 +309,18 @@ __device__ void draw_step(const engine_args &a, seq_entry *en, const uint32_t *p
  * table are cleared. That is THE reason the engine is a step loop with grid
  * barriers. */
 struct peer_mailbox {
+    const engine_args &a;
     const dpuf_channel_desc *d;
     chan_state *st;
 
     __device__ void drop() const {
         for (uint32_t e = threadIdx.x; e < d->max_sequences; e += blockDim.x) {
-            st->table[e].state = SEQ_FREE; /* no record is published for them */
-            st->table[e].has_pending = 0;
+            seq_entry *en = st->table + e;
+            /* Its automaton has one user less (threads may drop users of one slot at once). */
+            if (en->state != SEQ_FREE && en->automaton >= 0) atomicSub(&a.automata.slots[en->automaton].users, 1u);
+            en->automaton = -1;
+            en->state = SEQ_FREE; /* no record is published for them */
+            en->has_pending = 0;
         }
     }
     /* Response positions start over at 0. */
@@ -253,19 +335,37 @@ struct peer_mailbox {
 };
 
 /* Run the channel's pending mailbox command, if any (block 0). */
-__device__ void run_mailbox(const engine_args &a, uint32_t c, ring_smem *sm) {
-    const peer_mailbox k = {a.channels + c, a.state + c};
-    mailbox_command(a.region, k.d, a.mailboxes + c, k.st, *sm, k);
+__device__ void run_mailbox(const engine_args &a, uint32_t c, peer_smem *sm) {
+    const peer_mailbox k = {a, a.channels + c, a.state + c};
+    mailbox_command(a.region, k.d, a.mailboxes + c, k.st, sm->ring, k);
 }
 
 /* The peer's side of the intake walk (ring_device.cuh: intake_walk): its
- * table of max_sequences entries and its prompt pool. */
+ * table of max_sequences entries, its prompt pool and its automata. */
 struct peer_intake {
     const engine_args &a;
     const dpuf_channel_desc *d;
     chan_state *st;
+    peer_smem &sm;
 
-    __device__ uint32_t judge(uint32_t verdict, const uint32_t *) const { return verdict; }
+    /* A constrained GENERATE waits (and the records behind it) until the pool
+     * has room for its automaton: automata in use leave it as their sequences
+     * end. A size or header no automaton has is answered with an error
+     * (generate); one larger than the pool never fits (the launcher sizes the
+     * pool for the layout's bound). */
+    __device__ uint32_t judge(uint32_t verdict, const uint32_t *wd) const {
+        if (verdict != V_GENERATE || !(wd[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED)) return verdict;
+        const uint32_t bytes = wd[REQ_AUTOMATON];
+        if (!automaton_sized(bytes)) return verdict;
+        uint32_t h[16];
+        automaton_header(automaton_at(a.region, d, wd), h);
+        const uint64_t key = automaton_key(h);
+        if (automata_find(a.automata, key, bytes) >= 0) return verdict;
+        if (!automaton_header_ok(a.automata, h, bytes)) return verdict;
+        const uint64_t words = automaton_slot_words(a.automata, bytes, h[AUT_STATES]);
+        if (words > a.automata.pool_words) return V_BAD;
+        return automata_room(a.automata, key, bytes, words, &a.ctl->automata_evicted) ? verdict : V_NONE;
+    }
     __device__ int32_t entries() const { return (int32_t)d->max_sequences; }
     __device__ uint32_t look(int32_t e, uint64_t request_id) const {
         const seq_entry *en = st->table + e;
@@ -280,11 +380,23 @@ struct peer_intake {
     __device__ int32_t place(const uint32_t *, int32_t free_entry) const { return free_entry; }
     __device__ uint32_t *prompt(int32_t e) const { return st->prompt_pool + (uint64_t)e * st->pool_stride; }
     __device__ bool generate(int32_t e, const uint32_t *wd) const {
+        const bool constrained = (wd[REQ_FLAGS] & DPUF_FLAG_CONSTRAINED) != 0;
+        const bool walks = constrained && take_automaton(wd);
         if (threadIdx.x != 0) return false;
         seq_entry *en = st->table + e;
+        en->request_id = req_u64(wd, REQ_ID);
+        en->automaton = walks ? sm.taken.slot : -1;
+        en->astate = 0; /* every walk starts in state 0 */
+        if (constrained && !walks) {
+            /* Refused, and answered at once with an error record (its owning
+             * warp publishes it), so that its stream ends instead of waiting. */
+            en->has_pending = 0;
+            en->state = SEQ_FAILED;
+            st->counters[CNT_BAD]++;
+            return false;
+        }
         const bool has_seed = (wd[REQ_FLAGS] & DPUF_FLAG_HAS_SEED) != 0;
         en->flags = wd[REQ_FLAGS];
-        en->request_id = req_u64(wd, REQ_ID);
         en->prompt_len = wd[REQ_PROMPT_LEN];
         en->max_tokens = wd[REQ_MAX_TOKENS];
         en->seed = has_seed ? req_u64(wd, REQ_SEED) : 0;
@@ -301,6 +413,26 @@ struct peer_intake {
         en->state = SEQ_ACTIVE;
         return true;
     }
+    /* All threads: a constrained GENERATE's automaton (sm.taken), copied out of
+     * the arena, checked and its distances swept if the pool did not hold it.
+     * False: it fails a check (its place freed). */
+    __device__ bool take_automaton(const uint32_t *wd) const {
+        const uint8_t *at = automaton_at(a.region, d, wd);
+        if (threadIdx.x == 0) {
+            sm.taken = automata_take(a.automata, at, wd[REQ_AUTOMATON], global_timer_ns());
+            sm.dense = 0;
+        }
+        __syncthreads();
+        bool bad = sm.taken.bad != 0;
+        if (!bad && sm.taken.fresh) {
+            const automaton_slot &t = a.automata.slots[sm.taken.slot];
+            bad = automaton_copy_faulty(a.automata, t, at, &sm.dense);
+            if (!bad) sweep_distances(a.automata, t);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && bad && sm.taken.slot >= 0) a.automata.slots[sm.taken.slot].live = 0; /* its only user */
+        return !bad;
+    }
     /* Its owning warp publishes the final record in the next phase. */
     __device__ void cancel(int32_t e, const uint32_t *) const {
         st->table[e].state = SEQ_CANCELLED;
@@ -311,9 +443,9 @@ struct peer_intake {
 /* Take in every committed record of one attached channel (block 0): the peer
  * drains the ring at once (protocol 5.1, the sequence window). Returns
  * whether anything was consumed (the same value in every thread). */
-__device__ bool intake_channel(const engine_args &a, uint32_t c, ring_smem *sm) {
-    const peer_intake k = {a, a.channels + c, a.state + c};
-    const bool consumed = intake_walk(a.region, k.d, k.st, UINT64_MAX, *sm, k);
+__device__ bool intake_channel(const engine_args &a, uint32_t c, peer_smem *sm) {
+    const peer_intake k = {a, a.channels + c, a.state + c, *sm};
+    const bool consumed = intake_walk(a.region, k.d, k.st, UINT64_MAX, sm->ring, k);
     if (threadIdx.x == 0) {
         /* The DPU's read index, once per step: the publish phase reserves
          * positions against this snapshot (acquire: written by a NIC/CPU). */
@@ -354,11 +486,11 @@ __device__ void serve_entry(const engine_args &a, uint32_t c, uint32_t e, uint32
     uint64_t p = 0;
 
     if (lane == 0) {
-        if (en->state == SEQ_CANCELLED) {
+        if (en->state == SEQ_CANCELLED || en->state == SEQ_FAILED) {
             /* The final record replaces whatever was waiting: buffered
              * tokens are discarded. */
             en->pending_n = 0;
-            en->pending_finish = DPUF_FINISH_CANCELLED;
+            en->pending_finish = en->state == SEQ_FAILED ? DPUF_FINISH_ERROR : DPUF_FINISH_CANCELLED;
             en->has_pending = 1;
         } else {
             const uint32_t *prompt = st->prompt_pool + (uint64_t)e * st->pool_stride;
@@ -421,7 +553,11 @@ __device__ void serve_entry(const engine_args &a, uint32_t c, uint32_t e, uint32
         atomicAdd(&st->counters[CNT_TOKENS], (unsigned long long)n);
         en->has_pending = 0;
         if (finish != DPUF_FINISH_NONE) { /* the last record of the sequence */
-            atomicAdd(&st->counters[CNT_COMPLETED], 1ull);
+            /* A refused one was never admitted: not completed either. */
+            if (en->state != SEQ_FAILED) atomicAdd(&st->counters[CNT_COMPLETED], 1ull);
+            /* Its automaton has one user less (warps may finish users of one slot at once). */
+            if (en->automaton >= 0) atomicSub(&a.automata.slots[en->automaton].users, 1u);
+            en->automaton = -1;
             en->state = SEQ_FREE;
         }
     }
@@ -494,7 +630,7 @@ __device__ void finish_step(const engine_args &a) {
 
 __global__ void __launch_bounds__(ENGINE_THREADS, 1) engine_kernel(const __grid_constant__ engine_args a) {
     cg::grid_group grid = cg::this_grid();
-    __shared__ ring_smem sm;
+    __shared__ peer_smem sm;
     const bool leader = blockIdx.x == 0;
     uint64_t steps = 0, step_start = 0;
     bool took = false; /* block 0: some record was consumed this step */
@@ -575,6 +711,16 @@ struct dpuf_peer {
     bool launched;
 };
 
+/* The pool words the largest automaton of `max_bytes` can take: its arrays and
+ * a distance a state, at most (max_bytes - header) / 12 states (each has a
+ * list start, a default and a bitmask index: need >= 12 S + 68). */
+static uint64_t automaton_pool_need(uint32_t max_bytes) {
+    if (max_bytes < DPUF_AUTOMATON_HEADER_SIZE) return 0;
+    const uint64_t arrays = ((uint64_t)(max_bytes - DPUF_AUTOMATON_HEADER_SIZE) / 4u + 31u) / 32u * 32u;
+    const uint64_t states = (uint64_t)(max_bytes - DPUF_AUTOMATON_HEADER_SIZE) / 12u;
+    return arrays + (states + 31u) / 32u * 32u;
+}
+
 static bool validate_params(const dpuf_peer_params *p) {
     if (p == NULL) return set_error("params is NULL"), false;
     if (p->mode != DPUF_MODE_REPLAY && p->mode != DPUF_MODE_ECHO)
@@ -595,6 +741,15 @@ static bool validate_params(const dpuf_peer_params *p) {
             return set_error("channel %u: resp_slots %u, resp_slot_size %u (want >= 1, a multiple of 32 >= %u)", c,
                              d->resp_slots, d->resp_slot_size, DPUF_MIN_RESPONSE_SLOT_SIZE), false;
         if (d->max_sequences == 0) return set_error("channel %u: max_sequences is 0", c), false;
+        if (d->features & DPUF_FEATURE_CONSTRAINTS) {
+            if (p->vocab == 0 || p->automaton_pool_bytes == 0)
+                return set_error("channel %u takes automata: vocab and automaton_pool_bytes must be >= 1", c), false;
+            const uint64_t need = 4u * automaton_pool_need(d->max_automaton_bytes);
+            if (p->automaton_pool_bytes < need)
+                return set_error("channel %u takes automata of %u bytes: automaton_pool_bytes %llu < %llu, the "
+                                 "largest one's slot with its distances", c, d->max_automaton_bytes,
+                                 (unsigned long long)p->automaton_pool_bytes, (unsigned long long)need), false;
+        }
         if (p->tokens_per_step > dpuf_tokens_per_record(d->resp_slot_size))
             return set_error("channel %u: tokens_per_step %u > %u tokens per response record", c,
                              p->tokens_per_step, dpuf_tokens_per_record(d->resp_slot_size)), false;
@@ -654,6 +809,8 @@ static void peer_release(dpuf_peer *peer) {
     }
     if (peer->d_state) DPUF_NOTE(cudaFree(peer->d_state));
     if (peer->d_ctl) DPUF_NOTE(cudaFree(peer->d_ctl));
+    if (peer->eargs.automata.slots) DPUF_NOTE(cudaFree(peer->eargs.automata.slots));
+    if (peer->eargs.automata.words) DPUF_NOTE(cudaFree(peer->eargs.automata.words));
     if (peer->d_channels) DPUF_NOTE(cudaFree(peer->d_channels));
     if (peer->d_corpus) DPUF_NOTE(cudaFree(peer->d_corpus));
     if (peer->d_doc_starts) DPUF_NOTE(cudaFree(peer->d_doc_starts));
@@ -728,6 +885,18 @@ static int peer_setup(dpuf_peer *peer, const dpuf_peer_params *p) {
     DPUF_CHECK(cudaMalloc((void **)&peer->d_state, nch * sizeof(chan_state)));
     DPUF_CHECK(cudaMemcpy(peer->d_state, peer->h_state, nch * sizeof(chan_state), cudaMemcpyHostToDevice));
     if (device_alloc(&peer->d_ctl, sizeof(engine_ctl)) != 0) return -1;
+
+    /* Structured output's pool: whole 128-byte lines of words, and its slots. */
+    automaton_pool *pool = &peer->eargs.automata;
+    pool->vocab = p->vocab;
+    pool->distances = true;
+    pool->n_slots = PEER_MAX_AUTOMATA;
+    pool->pool_words = p->automaton_pool_bytes / 128u * 32u;
+    if (pool->pool_words) {
+        if (device_alloc(&pool->words, pool->pool_words * sizeof(int32_t)) != 0 ||
+            device_alloc(&pool->slots, PEER_MAX_AUTOMATA * sizeof(automaton_slot)) != 0)
+            return -1;
+    }
 
     /* Engine size: every block must be resident at once (cooperative). */
     int per_sm = 0;

@@ -50,7 +50,12 @@ typedef struct dpuf_peer_params {
     uint64_t prefill_ns_per_token; /* 112 simulated prefill cost per prompt token */
     uint64_t heartbeat_ns;         /* 120 heartbeat period of the dedicated warp */
     int32_t device;                /* 128 CUDA device ordinal */
-    uint32_t reserved;             /* 132 zero */
+    /* Structured output, for channels with DPUF_FEATURE_CONSTRAINTS: the
+     * tokenizer's vocabulary (every automaton is over it) and the bytes of GPU
+     * memory that hold the automata, each with its states' distances; enough
+     * for the largest automaton a channel takes. */
+    uint32_t vocab;                /* 132 */
+    uint64_t automaton_pool_bytes; /* 136 0: no channel takes automata */
 } dpuf_peer_params;
 
 typedef struct dpuf_peer dpuf_peer;

@@ -59,7 +59,8 @@ def source_dir() -> Path:
 #: The CUDA peer (``launcher.py``).
 PEER_SOURCES = CudaSources("libdpuf_peer", "peer_kernel.cu",
                            ("peer_kernel.h", "device_info.h", "ring_device.cuh", "cuda_host.cuh",
-                            "cuda_driver.cuh", "ring_protocol.h"),
+                            "cuda_driver.cuh", "ring_protocol.h", "automaton_pool.cuh",
+                            "automaton_walk.h"),
                            (source_dir(),))
 #: The reference walk of a structured-output automaton (``automaton_walk.h``) built for the
 #: host: the tests hold it to the Python walk (``automaton_walk.HostWalk``).
@@ -156,7 +157,8 @@ class PeerParams(ctypes.Structure):
         ("prefill_ns_per_token", ctypes.c_uint64),
         ("heartbeat_ns", ctypes.c_uint64),
         ("device", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
+        ("vocab", ctypes.c_uint32),
+        ("automaton_pool_bytes", ctypes.c_uint64),
     )
 
 

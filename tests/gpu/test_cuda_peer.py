@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -18,10 +19,16 @@ import pytest
 from dpu_frontend.config import PeerAddress, ServeConfig
 from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.engine.session import PeerSession
-from dpu_frontend.ring import SamplingParams
+from dpu_frontend.peer.generator import TokenGenerator, default_corpus
+from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
+from dpu_frontend.ring.automaton import CheckedAutomaton, Constraint, encode_automaton
+from dpu_frontend.text.constraints import ConstraintCompiler, ConstraintSpec
 from tests.integration.scenarios import (
+    WORD_REGEX,
     check_chat_stream_sdk,
+    check_constrained_equals_the_reference,
     check_stream_equals_full_and_decode,
+    load_vocab,
 )
 from tests.raw_ring import poll_until_final, write_constrained, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
@@ -79,10 +86,80 @@ async def test_a_thousand_concurrent_streams(gpu_stack: Stack) -> None:
     assert results == [(32, "length")] * streams
 
 
+async def test_sdk_constrained_answer_is_the_reference_walk(gpu_stack: Stack) -> None:
+    """Structured output through the CUDA peer: the daemon's automaton walked by the
+    kernel's replay gives the Python peer's answer, streamed and not."""
+    await check_constrained_equals_the_reference(gpu_stack)
+
+
+def reference_answers(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                      automaton: CheckedAutomaton) -> list[tuple[list[int], FinishReason]]:
+    """What the Python peer's replay gives each request, walking ``automaton``."""
+    vocab = load_vocab()
+    engine = TokenGenerator(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
+                            eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=1)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.admit(GenerateRecord(i + 1, 0, 0, p), tuple(prompt), time.monotonic(), automaton)
+    out: dict[int, tuple[list[int], FinishReason]] = {i + 1: ([], FinishReason.NONE)
+                                                      for i in range(len(prompts))}
+    while any(f is FinishReason.NONE for _, f in out.values()):
+        for r in engine.step(time.monotonic(), 64):
+            out[r.request_id] = (out[r.request_id][0] + list(r.tokens), r.finish)
+    return list(out.values())
+
+
+def answer(seen: Sequence[ResponseRecord], request: int) -> tuple[list[int], FinishReason]:
+    mine = [r for r in seen if r.request_id == request]
+    return [t for r in mine for t in r.tokens], mine[-1].finish
+
+
+async def test_automata_on_a_raw_channel(gpu_stack: Stack) -> None:
+    """The kernel's walk of an automaton (the word regex's: dense states) against the
+    Python peer's, request by request: a budget that leaves room, one that forces the
+    shortest way to the end, ignore_eos, a seed; the four share one copy in the pool. A
+    fifth, the same automaton with a next state out of range under another key, fails the
+    kernel's check: an error record, counted bad. A plain request beside them is served."""
+    vocab = load_vocab()
+    compiled = ConstraintCompiler(vocab.tokenizer, vocab.eos_token_ids[0]).compile(
+        ConstraintSpec.regex(WORD_REGEX))
+    checked, encoded = CheckedAutomaton.of(compiled), encode_automaton(compiled, key=11)
+    broken = bytearray(encode_automaton(compiled, key=12))
+    at = 64 + 4 * (compiled.states + 1 + len(compiled.list_tokens))  # the first list_next
+    broken[at:at + 4] = (compiled.states + 5).to_bytes(4, "little")
+    prompts = [[101, 102, 103], [201, 202], [301], [401, 402, 403, 404]]
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=3),
+              SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=30, seed=9)]
+    address = gpu_stack.peer_address()
+    session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"), address)
+    try:
+        before = (await peer_stats(address))[session.channel_index]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            session.channel.submit(i + 1, prompt, p, Constraint(encoded))
+        session.channel.submit(5, [501, 502], params[0], Constraint(bytes(broken)))
+        session.channel.submit(6, [601, 602], SamplingParams(max_tokens=4, ignore_eos=True))
+        seen: list[ResponseRecord] = []
+        for request in range(1, 7):
+            if not any(r.request_id == request and r.final for r in seen):
+                seen += await poll_until_final(session, request, limit=120)
+        after = (await peer_stats(address))[session.channel_index]
+    finally:
+        await session.close()
+    want = reference_answers(prompts, params, checked)
+    assert [answer(seen, i + 1) for i in range(4)] == want
+    for tokens, finish in want[:1] + want[2:]:
+        assert finish is FinishReason.STOP and checked.automaton.walk(tokens) is not None
+    assert answer(seen, 5) == ([], FinishReason.ERROR)
+    assert len(answer(seen, 6)[0]) == 4
+    assert after["bad_records"] == before["bad_records"] + 1
+    print(f"CUDA peer: the word regex walked in the kernel's replay ({want[0][0]} ...), the "
+          "Python peer's tokens; a broken automaton answered with an error record")
+
+
 async def test_a_corrupt_record_is_counted_and_skipped(gpu_stack: Stack) -> None:
     """A raw client on a second channel writes a record of an unknown kind, one flagged
-    CONSTRAINED (the CUDA peer's layout offers no automata), then a valid one: the kernel
-    counts the first two, serves the third, and goes on serving."""
+    CONSTRAINED with an automaton's size and no automaton (a header of zeros), then a
+    valid one: the kernel counts the first two bad, answers the second with an error
+    record, serves the third, and goes on serving."""
     address = gpu_stack.peer_address()
     config = ServeConfig(peers=(address,), transport="shm")
     session = await PeerSession.connect(config, address)
@@ -92,8 +169,10 @@ async def test_a_corrupt_record_is_counted_and_skipped(gpu_stack: Stack) -> None
         await write_constrained(session, 3, [7, 8])
         session.channel.submit(2, [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
         records = await poll_until_final(session, 2)
+        if not any(r.request_id == 3 and r.final for r in records):
+            records += await poll_until_final(session, 3)
         assert [t for r in records if r.request_id == 2 for t in r.tokens]
-        assert not [r for r in records if r.request_id == 3]
+        assert answer(records, 3) == ([], FinishReason.ERROR)
         after = (await peer_stats(address))[session.channel_index]
         assert after["bad_records"] == before["bad_records"] + 2
         assert after["records"] == before["records"] + 3

@@ -14,9 +14,11 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from dpu_frontend.peer.generator import TokenGenerator, default_corpus
 from dpu_frontend.ring import FinishReason, GenerateRecord, SamplingParams
+from dpu_frontend.ring.automaton import CheckedAutomaton
 from dpu_frontend.ring.layout import Geometry
 from dpu_frontend.text.assets import default_tokenizer_dir
 from dpu_frontend.text.chat_template import load_chat_template
+from dpu_frontend.text.constraints import ConstraintCompiler, ConstraintSpec
 from dpu_frontend.text.tokenizer import Vocabulary
 from tests.stack import MODEL, Stack
 
@@ -125,13 +127,15 @@ def chat_prompt_ids(vocab: Vocabulary) -> list[int]:
 
 
 def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
-                      seed: int | None = None) -> tuple[list[int], str]:
-    """The ids the reference peer generates for these prompt ids (its engine is deterministic)."""
+                      seed: int | None = None,
+                      automaton: CheckedAutomaton | None = None) -> tuple[list[int], str]:
+    """The ids the reference peer generates for these prompt ids (its engine is
+    deterministic), walking ``automaton`` where one constrains them."""
     per_record = Geometry().plan(1).channels[0].tokens_per_response
     engine = TokenGenerator(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
                     eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=per_record)
     engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens, seed=seed)),
-                 tuple(prompt_ids), time.monotonic())
+                 tuple(prompt_ids), time.monotonic(), automaton)
     ids: list[int] = []
     finish = FinishReason.NONE
     while finish == FinishReason.NONE:
@@ -173,10 +177,10 @@ async def check_chat_stream_sdk(stack: Stack) -> None:
 WORD_REGEX = "[a-z]{1,30}"
 
 
-async def check_constrained_sdk(stack: Stack) -> None:
+async def check_constrained_sdk(stack: Stack) -> str:
     """A constrained chat answer through the async SDK, streamed and not: the automaton
     compiled in the daemon, carried after the prompt in the arena, walked by the peer;
-    the answer matches the regex, and both are one text."""
+    the answer matches the regex, and both are one text (returned)."""
     client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0,
                          timeout=600)
     try:
@@ -192,3 +196,16 @@ async def check_constrained_sdk(stack: Stack) -> None:
     text = full.choices[0].message.content or ""
     assert re.fullmatch(WORD_REGEX, text) and streamed == text, (text, streamed)
     assert full.choices[0].finish_reason == "stop"
+    return text
+
+
+async def check_constrained_equals_the_reference(stack: Stack) -> None:
+    """check_constrained_sdk's answer is the reference peer's walk of the same automaton
+    (``AutomatonWalk``), compiled here as the daemon compiles it: what every peer's
+    replay must give, the CUDA peer's too."""
+    vocab = load_vocab()
+    compiler = ConstraintCompiler(vocab.tokenizer, vocab.eos_token_ids[0])
+    automaton = CheckedAutomaton.of(compiler.compile(ConstraintSpec.regex(WORD_REGEX)))
+    ids, finish = replay_generation(vocab, chat_prompt_ids(vocab), 40, automaton=automaton)
+    assert finish == "stop"
+    assert await check_constrained_sdk(stack) == vocab.decode(ids)

@@ -27,7 +27,7 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.constraint_cases import ORDER, PERSON, satisfies_order, satisfies_person
-from tests.integration.scenarios import check_constrained_sdk
+from tests.integration.scenarios import check_constrained_equals_the_reference
 from tests.stack import MODEL, Stack, running_stack
 
 ASK: Any = [{"role": "user", "content": "Describe someone."}]
@@ -99,7 +99,7 @@ def test_any_json_object(client: OpenAI) -> None:
 
 async def test_a_constrained_answer_through_the_async_sdk(stack: Stack) -> None:
     """The scenario the soft-RoCE suite runs too (tests/rdma)."""
-    await check_constrained_sdk(stack)
+    await check_constrained_equals_the_reference(stack)
 
 
 def test_a_regex_and_a_choice(client: OpenAI) -> None:

@@ -46,7 +46,8 @@ GEOMETRY = {"--arena-bytes": (4 << 20, None), "--resp-slots": (1024, None),
             "--no-logprobs": (True, SWITCH)}
 GPU_GEOMETRY_FLAGS = {"--arena-bytes": (8 << 20, None), "--resp-slots": (2048, None),
                       "--resp-slot-size": (64, None), "--max-sequences": (1024, None),
-                      "--max-prompt-tokens": (32768, None)}
+                      "--max-prompt-tokens": (32768, None),
+                      "--max-automaton-bytes": (4 << 20, None)}
 CLOCK = {"--tick": (0.001, None), "--heartbeat": (0.05, None)}
 FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
     "peer": SHARED | GEOMETRY | CLOCK | {
@@ -56,7 +57,8 @@ FLAGS: dict[str, dict[str, tuple[Any, Any]]] = {
         "--device": (0, None), "--engine-blocks": (0, None), "--step-us": (0.0, None),
         "--prefill-us-per-token": (0.0, None), "--heartbeat-us": (100.0, None),
         "--library": (None, None), "--build-dir": (default_build_dir(), None),
-        "--cuda-arch": ("sm_90", None), "--nvcc": (None, None)},
+        "--cuda-arch": ("sm_90", None), "--nvcc": (None, None),
+        "--automaton-pool-bytes": (64 << 20, None)},
     "model-peer": SHARED | GEOMETRY | CLOCK | {
         "--arena-bytes": (36 << 20, None), "--max-automaton-bytes": (32 << 20, None),
         "--automaton-pool-bytes": (512 << 20, None),
@@ -162,13 +164,14 @@ CASES: list[tuple[list[str], tuple[object, ...]]] = [
       "--resp-slots", "16", "--tokens-per-step", "1", "--mode", "echo", "--device", "1",
       "--engine-blocks", "4", "--step-us", "2000", "--prefill-us-per-token", "100",
       "--heartbeat-us", "50", "--library", "/lib.so", "--build-dir", "/b", "--cuda-arch", "sm_80",
-      "--nvcc", "/usr/bin/nvcc", "--log-level", "WARNING"],
+      "--nvcc", "/usr/bin/nvcc", "--log-level", "WARNING", "--max-automaton-bytes", "65536",
+      "--automaton-pool-bytes", "1048576"],
      (GpuPeerConfig(peer=PeerConfig(transport="shm", mode="echo", tokens_per_step=1,
                                     geometry=replace(GPU_GEOMETRY, channels=2, max_sequences=8,
-                                                     resp_slots=16)),
+                                                     resp_slots=16, max_automaton_bytes=65536)),
                     device=1, engine_blocks=4, step_us=2000.0, prefill_us_per_token=100.0,
                     heartbeat_us=50.0, library=Path("/lib.so"), build_dir=Path("/b"),
-                    cuda_arch="sm_80", nvcc="/usr/bin/nvcc"),
+                    cuda_arch="sm_80", nvcc="/usr/bin/nvcc", automaton_pool_bytes=1 << 20),
       LoggingConfig(level="WARNING"))),
     (["model-peer", "--transport", "shm", "--tick", "0.005", "--heartbeat", "0.02",
       "--no-logprobs", "--resp-slot-size", "64", "--weights", "/w", "--model-config", "/c.json",
@@ -221,6 +224,11 @@ def test_flags_build_the_configs_of_the_hand_written_functions(
     (["model-peer", "--resp-slots", "8"], "resp_slots must be >= 2 * max_sequences (512)"),
     (["gpu-peer", "--heartbeat-us", "0"], "heartbeat_us must be in [1, 100000]"),
     (["gpu-peer", "--step-us", "-1"], "step_us and prefill_us_per_token must be >= 0"),
+    # 4 MiB automata: 1,048,560 words of arrays and up to 349,520 states' distances, in
+    # whole 128-byte lines.
+    (["gpu-peer", "--automaton-pool-bytes", "4194304"],
+     "automaton_pool_bytes (4194304) must hold the largest automaton, 5592448 bytes"),
+    (["gpu-peer", "--automaton-pool-bytes", "-1"], "automaton_pool_bytes must be >= 0"),
     (["gpu-peer", "--logprobs"], "unrecognized arguments: --logprobs"),
     (["gpu-peer", "--tick", "0.01"], "unrecognized arguments: --tick"),
     (["model-peer", "--step-ms", "5"], "unrecognized arguments: --step-ms"),
@@ -263,7 +271,7 @@ OPTION_CLASSES: list[tuple[type, str, tuple[str, ...]]] = [
 NOT_FLAGS = {
     "peer": {"log_format"},
     "gpu-peer": {"log_format", "tokens_per_s", "step_s", "batch", "tick_s", "heartbeat_s",
-                 "logprobs", "max_automaton_bytes"},
+                 "logprobs"},
     "model-peer": {"log_format", "tokens_per_s", "step_s", "batch"},
 }
 
