@@ -98,14 +98,21 @@ DPUF_WALK_FN int32_t dpuf_walk_next(const dpuf_walk *a, int32_t state, int32_t t
     return dpuf_walk_masked(a, state, token) ? a->default_next[state] : DPUF_WALK_NONE;
 }
 
-/* One sweep of the distances over states first, first + stride, ...: a state
- * that may end is at 0, any other one past its nearest successor. Returns
- * whether a distance fell. From UNREACHABLE everywhere, sweeps until none
- * falls leave each state's fewest tokens to an end (distances()'s BFS); on
- * the GPU, threads sweep their shares at once, a barrier between sweeps. */
-DPUF_WALK_FN int dpuf_walk_relax(const dpuf_walk *a, int32_t *dist, int32_t first, int32_t stride) {
+/* One sweep of the distances over share `share` of `shares`, the states
+ * [share * S / shares, (share + 1) * S / shares), the last first: a state that
+ * may end is at 0, any other one past its nearest successor. Returns whether
+ * a distance fell. From UNREACHABLE everywhere, sweeps until none falls leave
+ * each state's fewest tokens to an end (distances()'s BFS); on the GPU,
+ * threads sweep their shares at once, a barrier between sweeps. Contiguous
+ * shares swept downwards: a compiled automaton's states mostly lead to higher
+ * ones, so one sweep carries a distance down a whole run of a share's states,
+ * and the sweeps needed are about the shares such a run crosses, not its
+ * length. */
+DPUF_WALK_FN int dpuf_walk_relax(const dpuf_walk *a, int32_t *dist, int32_t share, int32_t shares) {
     int fell = 0;
-    for (int32_t s = first; s < a->states; s += stride) {
+    const int32_t lo = (int32_t)((int64_t)a->states * share / shares);
+    const int32_t hi = (int32_t)((int64_t)a->states * (share + 1) / shares);
+    for (int32_t s = hi - 1; s >= lo; s--) {
         int32_t best = DPUF_WALK_UNREACHABLE;
         if (dpuf_walk_next(a, s, a->eos) != DPUF_WALK_NONE) {
             best = 0;

@@ -45,11 +45,11 @@ class HostWalk:
         self._lib.dpuf_walk_host_distances(*self._shape, dist)
         return array("i", dist)
 
-    def relax(self, dist: array[int], first: int, stride: int) -> bool:
-        """One sweep over states ``first, first + stride, ...`` of ``dist``, in place:
-        whether a distance fell."""
+    def relax(self, dist: array[int], share: int, shares: int) -> bool:
+        """One sweep over share ``share`` of ``shares`` of the states (contiguous, the
+        last first) of ``dist``, in place: whether a distance fell."""
         buffer = (ctypes.c_int32 * len(dist)).from_buffer(dist)
-        return bool(self._lib.dpuf_walk_host_relax(*self._shape, buffer, first, stride))
+        return bool(self._lib.dpuf_walk_host_relax(*self._shape, buffer, share, shares))
 
     def choose(self, dist: array[int], state: int, candidate: int | None,
                left: int) -> tuple[int | None, int]:

@@ -45,7 +45,7 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
     what = "the persistent kernel"
 
     def __init__(self, config: GpuPeerConfig, corpus: list[list[int]],
-                 eos_token_ids: tuple[int, ...], vocab_size: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], vocab_size: int) -> None:
         super().__init__(config.device)
         self.config = config
         self._corpus = corpus
@@ -73,6 +73,9 @@ class CudaKernel(PersistentKernel[PeerLibrary]):
                                "takes at most 8")
         eos = list(self._eos)
         constrained = any(ch.constraints for ch in layout.channels)
+        if constrained and self._vocab_size < 1:
+            raise StartupError("the rings take structured output's automata, which are over "
+                               "the tokenizer's vocabulary: the CUDA peer needs its size")
         return PeerParams(
             region_host=region_host, region_size=layout.region_size,
             channels=ctypes.cast(descs, ctypes.c_void_p), channel_count=len(layout.channels),

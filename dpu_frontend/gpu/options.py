@@ -55,7 +55,8 @@ class GpuPeerConfig:
         "period of the heartbeat warp, microseconds"))
     automaton_pool_bytes: int = field(default=64 << 20, metadata=about(
         "GPU memory for structured output's automata, each with its states' distances; "
-        "at least what the largest (--max-automaton-bytes) takes, 0: no structured output"))
+        "at least what the largest (--max-automaton-bytes) takes, 0: no structured output "
+        "(--max-automaton-bytes 0 also gives the arena its room back)"))
     library: Path | None = field(default=None, metadata=about(
         "a prebuilt libdpuf_peer.so", none="build"))
     build_dir: Path = field(default_factory=default_build_dir, metadata=about(

@@ -106,7 +106,8 @@ struct chan_state : ring_channel {
 struct engine_ctl {
     uint32_t quit; /* block 0 thread 0 decides, everyone reads after the next grid barrier */
     uint32_t busy; /* some warp served a sequence this step */
-    uint64_t automata_evicted; /* unused automata evicted for room */
+    uint64_t automata_evicted; /* unused automata evicted for room (GPU memory only: no
+                                * mailbox field carries it; the ring's counters do the rest) */
 };
 
 /* Block 0's scratch: the ring's, then a constrained GENERATE's automaton. */

@@ -15,12 +15,12 @@ EXPORT void dpuf_walk_host_distances(const uint32_t *words, int32_t vocab, int32
     dpuf_walk_distances(&a, dist);
 }
 
-/* One sweep over states first, first + stride, ...: whether a distance fell. */
+/* One sweep over share `share` of `shares` of the states: whether a distance fell. */
 EXPORT int dpuf_walk_host_relax(const uint32_t *words, int32_t vocab, int32_t eos,
                                 int32_t states, int32_t list_len, int32_t mask_words,
-                                int32_t *dist, int32_t first, int32_t stride) {
+                                int32_t *dist, int32_t share, int32_t shares) {
     const dpuf_walk a = dpuf_walk_view(words, vocab, eos, states, list_len, mask_words);
-    return dpuf_walk_relax(&a, dist, first, stride);
+    return dpuf_walk_relax(&a, dist, share, shares);
 }
 
 /* The token a replayed sequence emits from *state (the state moved by it). */

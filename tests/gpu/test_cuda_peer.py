@@ -24,7 +24,7 @@ from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, Samp
 from dpu_frontend.ring.automaton import CheckedAutomaton, Constraint, encode_automaton
 from dpu_frontend.text.constraints import ConstraintCompiler, ConstraintSpec
 from tests.integration.scenarios import (
-    WORD_REGEX,
+    SENTENCE_REGEX,
     check_chat_stream_sdk,
     check_constrained_equals_the_reference,
     check_stream_equals_full_and_decode,
@@ -114,21 +114,24 @@ def answer(seen: Sequence[ResponseRecord], request: int) -> tuple[list[int], Fin
 
 
 async def test_automata_on_a_raw_channel(gpu_stack: Stack) -> None:
-    """The kernel's walk of an automaton (the word regex's: dense states) against the
-    Python peer's, request by request: a budget that leaves room, one that forces the
-    shortest way to the end, ignore_eos, a seed; the four share one copy in the pool. A
-    fifth, the same automaton with a next state out of range under another key, fails the
-    kernel's check: an error record, counted bad. A plain request beside them is served."""
+    """The kernel's walk of an automaton (the sentence regex's) against the Python
+    peer's, request by request, each different (the Python walk gives 'Soft to t turns',
+    'St t t', 'Streaming text is harder', 'Operators care about a': the replay's words
+    where allowed, the shortest ones where not): a budget that leaves room, one of 3
+    tokens that forces the shortest way and ends at the length, ignore_eos, a seed and
+    5 tokens; the four share one copy in the pool. A fifth, the same automaton with a
+    next state out of range under another key, fails the kernel's check: an error
+    record, counted bad. A plain request beside them is served."""
     vocab = load_vocab()
     compiled = ConstraintCompiler(vocab.tokenizer, vocab.eos_token_ids[0]).compile(
-        ConstraintSpec.regex(WORD_REGEX))
+        ConstraintSpec.regex(SENTENCE_REGEX))
     checked, encoded = CheckedAutomaton.of(compiled), encode_automaton(compiled, key=11)
     broken = bytearray(encode_automaton(compiled, key=12))
     at = 64 + 4 * (compiled.states + 1 + len(compiled.list_tokens))  # the first list_next
     broken[at:at + 4] = (compiled.states + 5).to_bytes(4, "little")
     prompts = [[101, 102, 103], [201, 202], [301], [401, 402, 403, 404]]
     params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=3),
-              SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=30, seed=9)]
+              SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=5, seed=5)]
     address = gpu_stack.peer_address()
     session = await PeerSession.connect(ServeConfig(peers=(address,), transport="shm"), address)
     try:
@@ -146,8 +149,11 @@ async def test_automata_on_a_raw_channel(gpu_stack: Stack) -> None:
         await session.close()
     want = reference_answers(prompts, params, checked)
     assert [answer(seen, i + 1) for i in range(4)] == want
-    for tokens, finish in want[:1] + want[2:]:
-        assert finish is FinishReason.STOP and checked.automaton.walk(tokens) is not None
+    assert len({tuple(tokens) for tokens, _ in want}) == 4  # four different walks
+    assert [finish for _, finish in want] == [FinishReason.STOP, FinishReason.LENGTH,
+                                              FinishReason.STOP, FinishReason.STOP]
+    for tokens, _ in want[:1] + want[2:]:
+        assert checked.automaton.walk(tokens) is not None
     assert answer(seen, 5) == ([], FinishReason.ERROR)
     assert len(answer(seen, 6)[0]) == 4
     assert after["bad_records"] == before["bad_records"] + 1

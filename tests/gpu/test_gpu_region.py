@@ -107,7 +107,7 @@ async def test_the_cuda_peer_serves_from_a_region_in_gpu_memory(
     the kernels running over it: an ATTACH resets a channel's rings there, the heartbeat
     beats there; its device address and dma-buf are what a NIC would register."""
     monkeypatch.setattr(persistent, "check_region", device_only)
-    kernel = CudaKernel(CONFIG, [[5, 6, 7, 8]], (0,))
+    kernel = CudaKernel(CONFIG, [[5, 6, 7, 8]], (0,), vocab_size=151_936)
     layout = GPU_GEOMETRY.plan(instance=secrets.randbits(63) | 1)
     kernel.open(layout, GpuMemory(RdmaConfig()))
     try:
