@@ -66,6 +66,14 @@ PEER_SOURCES = CudaSources("libdpuf_peer", "peer_kernel.cu",
 #: host: the tests hold it to the Python walk (``automaton_walk.HostWalk``).
 WALK_HOST = CudaSources("libdpuf_walk_host", "walk_host.c", ("automaton_walk.h",),
                         (source_dir(),))
+#: Tensor parallelism's all-reduce over peer memory (``allreduce.h``) built for the host,
+#: the ranks' blocks as threads: the tests hold it to the rank-order sum
+#: (``allreduce.HostAllReduce``).
+ALLREDUCE_HOST = CudaSources("libdpuf_allreduce_host", "allreduce_host.c", ("allreduce.h",),
+                             (source_dir(),))
+#: The same all-reduce on the GPU (``allreduce.PeerMemoryLibrary``).
+ALLREDUCE = CudaSources("libdpuf_allreduce", "allreduce.cu", ("allreduce.h", "cuda_host.cuh"),
+                        (source_dir(),))
 
 
 def default_build_dir() -> Path:

@@ -41,7 +41,7 @@ else:
                       "test_llama.py", "test_llama_serving.py", "test_moe.py", "test_qk_norm_rope.py",
                       "test_model.py", "test_model_serving.py", "test_record_writer.py",
                       "test_gpu_scheduler.py", "test_gpu_region.py", "test_race.py",
-                      "test_tensor_parallel.py"]
+                      "test_tensor_parallel.py", "test_allreduce.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,14 @@ import pytest
 from dpu_frontend.config import PeerConfig
 from dpu_frontend.gpu.launcher import CudaKernel
 from dpu_frontend.gpu.options import GPU_GEOMETRY, GpuPeerConfig, automaton_pool_need
-from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, PeerLibrary, build, find_nvcc
+from dpu_frontend.gpu.runtime import (
+    ALLREDUCE,
+    PEER_SOURCES,
+    CudaSources,
+    PeerLibrary,
+    build,
+    find_nvcc,
+)
 from dpu_frontend.model.device import RECORDS, SCHEDULER
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +39,7 @@ def peer_library(build_dir: Path) -> PeerLibrary:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER],
+@pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, ALLREDUCE],
                          ids=lambda s: s.library)
 def test_each_cuda_library_builds_for_sm_90(build_dir: Path, sources: CudaSources) -> None:
     assert build(build_dir, sources, arch="sm_90", nvcc=find_nvcc()).stat().st_size > 0

@@ -55,7 +55,7 @@ import dpu_frontend
 #: it lives in the package.
 SOURCES = ("ring_protocol.h", "ring_device.cuh", "record_writer.cuh", "record_writer.cu",
            "peer_kernel.cu", "scheduler.cu", "cuda_host.cuh", "cuda_driver.cuh",
-           "automaton_pool.cuh")
+           "automaton_pool.cuh", "allreduce.cu")
 ORDERED = ("seq", "resp_produced", "req_consumed", "epoch")
 STORES = ("store_vol_u32", "store_vol_u64", "volatile store", "copy_prompt", "reset_rings")
 BARRIERS = ("__syncthreads", "__syncwarp")

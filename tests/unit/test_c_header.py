@@ -26,7 +26,15 @@ import pytest
 
 import dpu_frontend
 from dpu_frontend.gpu.library import CudaLibrary, DeviceInfo
-from dpu_frontend.gpu.runtime import PEER_SOURCES, CudaSources, PeerLibrary, PeerParams
+from dpu_frontend.gpu.runtime import (
+    ALLREDUCE,
+    ALLREDUCE_HOST,
+    PEER_SOURCES,
+    WALK_HOST,
+    CudaSources,
+    PeerLibrary,
+    PeerParams,
+)
 from dpu_frontend.model import publish as publish_mod
 from dpu_frontend.model import sampling
 from dpu_frontend.model.device import RECORDS, SCHED_HOST, SCHEDULER, sched_core
@@ -286,8 +294,8 @@ def test_the_layout_record_matches_the_c_structs() -> None:
             n: getattr(ch, n) for n, _ in CHANNEL_STRUCT.fields}
 
 
-@pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, SCHED_HOST],
-                         ids=lambda s: s.library)
+@pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, SCHED_HOST, WALK_HOST,
+                                     ALLREDUCE, ALLREDUCE_HOST], ids=lambda s: s.library)
 def test_the_sources_are_package_data(sources: CudaSources) -> None:
     """Every file a library is built from is where it says, and a wheel ships it; the
     files it declares are exactly what its main file includes, directly or not (the

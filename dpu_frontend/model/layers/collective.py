@@ -9,15 +9,20 @@ then move with the batch), and every rank holds the same bits.
 
 ``GatheredGroup`` runs them over ``torch.distributed`` (any backend: NCCL between
 GPUs, gloo on the CPU): an all-gather, which moves values and adds nothing, then the
-sum in rank order on each rank.
+sum in rank order on each rank. ``PeerMemoryGroup`` sums with the ranks' own kernel
+over NVLink peer memory instead (``gpu/allreduce.cu``): the same bits, a copy and one
+kernel on the caller's stream, which a CUDA graph captures.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
+
+from dpu_frontend.gpu.allreduce import PeerMemoryLibrary
 
 
 class TensorGroup(Protocol):
@@ -68,3 +73,44 @@ class GatheredGroup:
                              f"{total}, not its share")
         padded = x if x.shape[1] == share else torch.nn.functional.pad(x, (0, share - x.shape[1]))
         return torch.cat(self._gather(padded), dim=1)[:, :total]
+
+
+class PeerMemoryGroup(GatheredGroup):
+    """A ``TensorGroup`` whose ``all_reduce`` runs ``allreduce.cu`` over the ranks' GPU
+    memory, mapped into each other's once here (CUDA IPC handles, exchanged over
+    ``group``): messages of up to ``ONE_SHOT_BYTES`` one-shot, larger ones two-shot, up
+    to ``max_bytes``. The same bits as ``GatheredGroup``'s (rank order, float32, one
+    rounding), so what it does not take (another dtype, a larger message) goes there
+    and nothing changes but the route. Every rank makes the same calls in the same
+    order, as with any collective."""
+
+    #: One-shot below this: each rank reads every rank's whole input, one phase less.
+    ONE_SHOT_BYTES: ClassVar[int] = 256 << 10
+    DTYPES: ClassVar[dict[torch.dtype, str]] = {torch.float32: "float32",
+                                                 torch.bfloat16: "bfloat16"}
+
+    def __init__(self, library: Path, max_bytes: int, blocks: int = 16,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(group)
+        self.max_bytes = max_bytes
+        self.lib = PeerMemoryLibrary.load(library)
+        self.handle = self.lib.create(torch.cuda.current_device(), self.rank, self.size,
+                                      max_bytes, blocks)
+        everyone: list[bytes | None] = [None] * self.size
+        dist.all_gather_object(everyone, self.lib.handles(self.handle), group=group)
+        self.lib.open(self.handle, [h for h in everyone if h is not None])
+        dist.barrier(group=group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        name = self.DTYPES.get(x.dtype)
+        if name is None or x.nbytes > self.max_bytes or not x.is_cuda:
+            return super().all_reduce(x)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.run(self.handle, x.data_ptr(), out.data_ptr(), x.numel(), name,
+                     x.nbytes > self.ONE_SHOT_BYTES, torch.cuda.current_stream().cuda_stream)
+        return out
+
+    def close(self) -> None:
+        """The buffers freed and the peers' unmapped (after every rank's last call)."""
+        self.lib.destroy(self.handle)

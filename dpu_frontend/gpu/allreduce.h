@@ -1,0 +1,186 @@
+/*
+ * allreduce.h: tensor parallelism's all-reduce over the ranks' peer memory, in C
+ * for both sides (DPUF_AR_FN): the arithmetic and the flags of one rank's part of
+ * a call, block by block. The GPU runs it over NVLink peer mappings of every
+ * rank's buffers (allreduce.cu); CI builds it for the host with the ranks as
+ * threads (allreduce_host.c, bound by allreduce.py) and holds it to
+ * model/layers/collective.py's sum_in_rank_order, bit for bit.
+ *
+ * Batch-invariant, as GatheredGroup is: every element is the float32 sum of the
+ * ranks' values in rank order (rank 0's value, plus rank 1's, ...), rounded once
+ * to the dtype, so its bits depend on the values alone, never on the message's
+ * size or cut, and every rank ends with the same bits. (NCCL's ring all-reduce
+ * starts each chunk's sum at another rank.)
+ *
+ * Each rank r holds, in memory every rank can reach:
+ *   buf[r]:   its input (the caller writes it before the call), n elements;
+ *   flags[r]: the signal words other ranks write to it, [3 phases][blocks][ranks].
+ * A call, on every rank with the same n, dtype, blocks and epoch (a number that
+ * differs from the last call's), each block b of each rank:
+ *   one-shot (small messages): READY, then block b's elements of every rank's
+ *   buf summed in rank order into out; DONE.
+ *   two-shot (large ones): READY, then block b's part of slice r (the slices:
+ *   [s n / R, (s + 1) n / R)) summed in rank order into buf[r] itself (no other
+ *   rank reads slice r of buf[r]); MID; then block b's part of every slice s
+ *   copied from buf[s] into out; DONE.
+ * A phase: the block writes `epoch` into word [phase][b][r] of every rank's
+ * flags (a release: its writes before it are seen by whoever sees the flag),
+ * then waits until word [phase][b][q] of its own flags holds `epoch` for every
+ * q (an acquire). READY: every buf holds its input. MID: every slice is summed.
+ * DONE: no rank still reads a buf, which the next call's input may overwrite.
+ * A block waits only for the same block of the other ranks, on other devices:
+ * no block waits for another of its own grid, so a grid need not be resident
+ * at once.
+ */
+#ifndef DPUF_ALLREDUCE_H
+#define DPUF_ALLREDUCE_H
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define DPUF_AR_FN static inline __host__ __device__
+#else
+#define DPUF_AR_FN static inline
+#endif
+
+#define DPUF_AR_MAX_RANKS 8
+#define DPUF_AR_PHASES 3
+enum { DPUF_AR_READY = 0, DPUF_AR_MID = 1, DPUF_AR_DONE = 2 };
+enum { DPUF_AR_F32 = 0, DPUF_AR_BF16 = 1 };
+
+/* One rank's view of a call. */
+typedef struct dpuf_ar_call {
+    int32_t rank, ranks;
+    int32_t dtype;        /* DPUF_AR_* */
+    int32_t two_shot;     /* 0: one-shot */
+    int64_t n;            /* elements */
+    int32_t blocks;       /* the grid: each block its share of the elements */
+    uint32_t epoch;       /* this call's: not the last call's */
+    void *buf[DPUF_AR_MAX_RANKS];        /* every rank's input, as this rank reaches it */
+    uint32_t *flags[DPUF_AR_MAX_RANKS];  /* every rank's signal words, likewise */
+    void *out;            /* this rank's result, n elements */
+} dpuf_ar_call;
+
+/* The signal words a rank holds for a grid of `blocks`. */
+DPUF_AR_FN int64_t dpuf_ar_flag_words(int32_t blocks, int32_t ranks) {
+    return (int64_t)DPUF_AR_PHASES * blocks * ranks;
+}
+
+/* ---- the arithmetic ------------------------------------------------------ */
+
+DPUF_AR_FN float dpuf_ar_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* Round to nearest, ties to even (torch's float -> bfloat16); a NaN stays a NaN. */
+DPUF_AR_FN uint16_t dpuf_ar_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+DPUF_AR_FN float dpuf_ar_load(const void *p, int32_t dtype, int64_t i) {
+    return dtype == DPUF_AR_BF16 ? dpuf_ar_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+DPUF_AR_FN void dpuf_ar_store(void *p, int32_t dtype, int64_t i, float f) {
+    if (dtype == DPUF_AR_BF16)
+        ((uint16_t *)p)[i] = dpuf_ar_f32_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+/* Elements [lo, hi) of every rank's buf, summed in rank order into dst. */
+DPUF_AR_FN void dpuf_ar_sum(const dpuf_ar_call *c, void *dst, int64_t lo, int64_t hi, int64_t first,
+                            int64_t stride) {
+    for (int64_t i = lo + first; i < hi; i += stride) {
+        float total = dpuf_ar_load(c->buf[0], c->dtype, i);
+        for (int32_t q = 1; q < c->ranks; q++) total = total + dpuf_ar_load(c->buf[q], c->dtype, i);
+        dpuf_ar_store(dst, c->dtype, i, total);
+    }
+}
+
+/* Elements [lo, hi) of src copied into dst. */
+DPUF_AR_FN void dpuf_ar_copy(const dpuf_ar_call *c, void *dst, const void *src, int64_t lo, int64_t hi,
+                             int64_t first, int64_t stride) {
+    for (int64_t i = lo + first; i < hi; i += stride) {
+        if (c->dtype == DPUF_AR_BF16)
+            ((uint16_t *)dst)[i] = ((const uint16_t *)src)[i];
+        else
+            ((float *)dst)[i] = ((const float *)src)[i];
+    }
+}
+
+/* Part `k` of `parts` of [lo, hi): [lo + k (hi - lo) / parts, ...). */
+DPUF_AR_FN int64_t dpuf_ar_cut(int64_t lo, int64_t hi, int64_t k, int64_t parts) {
+    return lo + (hi - lo) * k / parts;
+}
+
+/* ---- the flags ------------------------------------------------------------- */
+
+DPUF_AR_FN int64_t dpuf_ar_flag_index(const dpuf_ar_call *c, int32_t phase, int32_t block, int32_t from) {
+    return ((int64_t)phase * c->blocks + block) * c->ranks + from;
+}
+
+#ifdef __CUDA_ARCH__
+#define DPUF_AR_STORE_RELEASE(p, v) \
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory")
+DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#define DPUF_AR_PAUSE() __nanosleep(100)
+#else
+#include <sched.h>
+#define DPUF_AR_STORE_RELEASE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+/* The host build's ranks are threads that may outnumber the cores. */
+#define DPUF_AR_PAUSE() sched_yield()
+#endif
+
+/* One thread of the block: `epoch` into word [phase][block][rank] of every
+ * rank's flags. The block's writes before it (every thread's, after the
+ * caller's barrier and fence) are seen by a rank that sees the flag. */
+DPUF_AR_FN void dpuf_ar_signal(const dpuf_ar_call *c, int32_t phase, int32_t block) {
+    const int64_t at = dpuf_ar_flag_index(c, phase, block, c->rank);
+    for (int32_t q = 0; q < c->ranks; q++) DPUF_AR_STORE_RELEASE(c->flags[q] + at, c->epoch);
+}
+
+/* One thread of the block: wait until every rank's block `block` has signalled
+ * `phase` of this call (its words in this rank's flags hold the epoch). */
+DPUF_AR_FN void dpuf_ar_wait(const dpuf_ar_call *c, int32_t phase, int32_t block) {
+    const uint32_t *own = c->flags[c->rank];
+    for (int32_t q = 0; q < c->ranks; q++)
+        while (dpuf_ar_load_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) DPUF_AR_PAUSE();
+}
+
+/* ---- one block's part of a call, by one thread (the host build's form; the
+ * GPU's kernel runs the same pieces with its threads between barriers) ---- */
+
+DPUF_AR_FN void dpuf_ar_block(const dpuf_ar_call *c, int32_t block) {
+    dpuf_ar_signal(c, DPUF_AR_READY, block);
+    dpuf_ar_wait(c, DPUF_AR_READY, block);
+    if (!c->two_shot) {
+        dpuf_ar_sum(c, c->out, dpuf_ar_cut(0, c->n, block, c->blocks), dpuf_ar_cut(0, c->n, block + 1, c->blocks),
+                    0, 1);
+    } else {
+        const int64_t lo = dpuf_ar_cut(0, c->n, c->rank, c->ranks), hi = dpuf_ar_cut(0, c->n, c->rank + 1, c->ranks);
+        dpuf_ar_sum(c, c->buf[c->rank], dpuf_ar_cut(lo, hi, block, c->blocks),
+                    dpuf_ar_cut(lo, hi, block + 1, c->blocks), 0, 1);
+        dpuf_ar_signal(c, DPUF_AR_MID, block);
+        dpuf_ar_wait(c, DPUF_AR_MID, block);
+        for (int32_t s = 0; s < c->ranks; s++) {
+            const int64_t slo = dpuf_ar_cut(0, c->n, s, c->ranks), shi = dpuf_ar_cut(0, c->n, s + 1, c->ranks);
+            dpuf_ar_copy(c, c->out, c->buf[s], dpuf_ar_cut(slo, shi, block, c->blocks),
+                         dpuf_ar_cut(slo, shi, block + 1, c->blocks), 0, 1);
+        }
+    }
+    dpuf_ar_signal(c, DPUF_AR_DONE, block);
+    dpuf_ar_wait(c, DPUF_AR_DONE, block);
+}
+
+#endif /* DPUF_ALLREDUCE_H */

@@ -1,0 +1,112 @@
+"""Tensor parallelism's all-reduce over peer memory in C (``allreduce.h``): built for
+the host with the ranks' blocks as threads (``HostAllReduce``), which the tests hold
+bit for bit to the rank-order sum of ``model.layers.collective.sum_in_rank_order``;
+and for the GPU (``allreduce.cu``, bound by ``PeerMemoryLibrary``), the kernel that
+``model.layers.collective.PeerMemoryGroup`` runs over NVLink."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+from dpu_frontend.errors import StartupError
+from dpu_frontend.gpu.library import CudaLibrary, Signature, bind
+from dpu_frontend.gpu.runtime import ALLREDUCE_HOST, build_host
+
+#: allreduce.h's dtypes, by their width in bytes: float32 and bfloat16.
+DTYPES = {"float32": (0, 4), "bfloat16": (1, 2)}
+#: allreduce.h's DPUF_AR_MAX_RANKS and DPUF_AR_PHASES.
+MAX_RANKS = 8
+PHASES = 3
+
+
+class HostAllReduce:
+    """``ranks`` ranks' buffers of ``n`` elements of ``dtype`` in host memory, and the
+    flags they signal through, kept from call to call as a GPU's are; each call sums
+    every rank's input in ``blocks`` blocks, one-shot or two-shot."""
+
+    def __init__(self, library: Path, ranks: int, n: int, dtype: str, blocks: int) -> None:
+        if not 1 <= ranks <= MAX_RANKS or n < 0 or blocks < 1 or dtype not in DTYPES:
+            raise ValueError(f"{ranks} ranks (1 to {MAX_RANKS}), {n} elements, {blocks} "
+                             f"blocks, dtype {dtype} (one of {sorted(DTYPES)})")
+        vp, i32, i64, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
+        self._lib = bind(library, {
+            "dpuf_ar_host_run": ((i32, i32, i32, i64, i32, u32, vp, vp, vp), ctypes.c_int),
+        }, "the all-reduce's host build")
+        self.ranks, self.n, self.blocks = ranks, n, blocks
+        self._code, self.itemsize = DTYPES[dtype]
+        self._bufs = [ctypes.create_string_buffer(max(1, n * self.itemsize)) for _ in range(ranks)]
+        self._outs = [ctypes.create_string_buffer(max(1, n * self.itemsize)) for _ in range(ranks)]
+        self._flags = [(ctypes.c_uint32 * (PHASES * blocks * ranks))() for _ in range(ranks)]
+        self._epoch = 0
+
+    @classmethod
+    def build(cls, build_dir: Path, ranks: int, n: int, dtype: str, blocks: int) -> HostAllReduce:
+        return cls(build_host(build_dir, ALLREDUCE_HOST), ranks, n, dtype, blocks)
+
+    def __call__(self, inputs: Sequence[bytes], *, two_shot: bool) -> list[bytes]:
+        """Every rank's result (the same bits on each, if the sum is right), from
+        every rank's input (``n`` elements' bytes, little-endian)."""
+        size = self.n * self.itemsize
+        if len(inputs) != self.ranks or any(len(x) != size for x in inputs):
+            raise ValueError(f"{self.ranks} inputs of {size} bytes")
+        for buf, x in zip(self._bufs, inputs, strict=True):
+            ctypes.memmove(buf, x, size)
+        self._epoch = (self._epoch + 1) & 0xFFFF_FFFF
+        array = ctypes.c_void_p * MAX_RANKS
+        rc = self._lib.dpuf_ar_host_run(
+            self.ranks, self._code, int(two_shot), self.n, self.blocks, self._epoch,
+            array(*(ctypes.addressof(b) for b in self._bufs)),
+            array(*(ctypes.addressof(f) for f in self._flags)),
+            array(*(ctypes.addressof(o) for o in self._outs)))
+        if rc != 0:
+            raise ValueError("the all-reduce's host build refused the call")
+        return [o.raw[:size] for o in self._outs]
+
+
+class PeerMemoryLibrary(CudaLibrary):
+    """``libdpuf_allreduce.so`` (``allreduce.cu``): one rank's buffers and kernel."""
+
+    what = "the all-reduce library"
+    last_error = "dpuf_ar_last_error"
+
+    @classmethod
+    def api(cls) -> dict[str, Signature]:
+        vp, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
+        return {
+            **super().api(),
+            "dpuf_ar_create": ((i32, i32, i32, u64, i32), vp),
+            "dpuf_ar_handle_bytes": ((), ctypes.c_int),
+            "dpuf_ar_handles": ((vp, ctypes.c_char_p), ctypes.c_int),
+            "dpuf_ar_open": ((vp, ctypes.c_char_p), ctypes.c_int),
+            "dpuf_ar_run": ((vp, vp, vp, i64, i32, i32, vp), ctypes.c_int),
+            "dpuf_ar_destroy": ((vp,), None),
+        }
+
+    def create(self, device: int, rank: int, ranks: int, max_bytes: int, blocks: int) -> int:
+        """This rank's handle; a ``StartupError`` with the library's reason if refused."""
+        handle = self.lib.dpuf_ar_create(device, rank, ranks, max_bytes, blocks)
+        if not handle:
+            raise StartupError(f"the all-reduce's buffers on device {device}: {self.error()}")
+        return int(handle)
+
+    def handles(self, handle: int) -> bytes:
+        """This rank's IPC handles, for every other rank's ``open``."""
+        out = ctypes.create_string_buffer(self.lib.dpuf_ar_handle_bytes())
+        self.check(self.lib.dpuf_ar_handles(handle, out), "the all-reduce's IPC handles")
+        return out.raw
+
+    def open(self, handle: int, everyone: Sequence[bytes]) -> None:
+        """Every rank's ``handles``, in rank order: the peers' buffers mapped here."""
+        self.check(self.lib.dpuf_ar_open(handle, b"".join(everyone)), "the peers' buffers")
+
+    def run(self, handle: int, src: int, dst: int, n: int, dtype: str, two_shot: bool,
+            stream: int) -> None:
+        """``n`` elements of ``dtype`` from device address ``src`` summed over the ranks
+        into ``dst``, on ``stream`` (a CUDA graph may capture it)."""
+        self.check(self.lib.dpuf_ar_run(handle, src, dst, n, DTYPES[dtype][0], int(two_shot),
+                                        stream), "the all-reduce")
+
+    def destroy(self, handle: int) -> None:
+        self.lib.dpuf_ar_destroy(handle)
