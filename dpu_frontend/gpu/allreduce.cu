@@ -11,10 +11,11 @@
  * is not one: each block keeps its own in GPU memory, the last call's plus one,
  * and every rank's block b counts the same calls.
  *
- * The kernel: block b's thread 0 signals and waits (allreduce.h's phases), the
- * block's threads sum or copy its elements between them, every thread fencing at
- * system scope and the block meeting at a barrier before thread 0 signals, so that
- * a peer that sees the flag sees every thread's writes.
+ * The kernel runs allreduce.h's dpuf_ar_block, as the host build does: block b's
+ * thread 0 signals and waits, the block's threads sum or copy its elements
+ * between the phases, every thread fencing at system scope and the block meeting
+ * at a barrier before thread 0 signals, so that a peer that sees the flag sees
+ * every thread's writes.
  *
  * Build (no -rdc: no device runtime):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC -shared \
@@ -46,39 +47,8 @@ __global__ void __launch_bounds__(AR_THREADS) allreduce_kernel(const __grid_cons
     __syncthreads();
     dpuf_ar_call c = a.call;
     c.epoch = epoch;
-    const int64_t t = threadIdx.x, nt = blockDim.x;
-    /* READY: the input was copied into buf[rank] before this kernel, on its stream. */
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        dpuf_ar_signal(&c, DPUF_AR_READY, block);
-        dpuf_ar_wait(&c, DPUF_AR_READY, block);
-    }
-    __syncthreads();
-    if (!c.two_shot) {
-        dpuf_ar_sum(&c, c.out, dpuf_ar_cut(0, c.n, block, c.blocks), dpuf_ar_cut(0, c.n, block + 1, c.blocks), t, nt);
-    } else {
-        const int64_t lo = dpuf_ar_cut(0, c.n, c.rank, c.ranks), hi = dpuf_ar_cut(0, c.n, c.rank + 1, c.ranks);
-        dpuf_ar_sum(&c, c.buf[c.rank], dpuf_ar_cut(lo, hi, block, c.blocks), dpuf_ar_cut(lo, hi, block + 1, c.blocks),
-                    t, nt);
-        __threadfence_system(); /* this thread's sums, before thread 0's MID */
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            dpuf_ar_signal(&c, DPUF_AR_MID, block);
-            dpuf_ar_wait(&c, DPUF_AR_MID, block);
-        }
-        __syncthreads();
-        for (int32_t s = 0; s < c.ranks; s++) {
-            const int64_t slo = dpuf_ar_cut(0, c.n, s, c.ranks), shi = dpuf_ar_cut(0, c.n, s + 1, c.ranks);
-            dpuf_ar_copy(&c, c.out, c.buf[s], dpuf_ar_cut(slo, shi, block, c.blocks),
-                         dpuf_ar_cut(slo, shi, block + 1, c.blocks), t, nt);
-        }
-    }
-    __syncthreads(); /* every thread's reads of the peers' buffers are done */
-    if (threadIdx.x == 0) {
-        dpuf_ar_signal(&c, DPUF_AR_DONE, block);
-        dpuf_ar_wait(&c, DPUF_AR_DONE, block);
-        a.epochs[block] = epoch;
-    }
+    dpuf_ar_block(&c, block); /* allreduce.h's, as the host build runs it */
+    if (threadIdx.x == 0) a.epochs[block] = epoch;
 }
 
 /* ---- host API (allreduce.py's PeerMemoryLibrary binds it) ----------------- */
@@ -169,9 +139,7 @@ int dpuf_ar_handle_bytes(void) { return (int)AR_HANDLE_BYTES; }
 
 /* Every rank's handles, rank by rank (`ranks` x AR_HANDLE_BYTES; this rank's
  * own are skipped): the peers' buffers and flags mapped here, once. */
-int dpuf_ar_open(dpuf_ar *ar, const void *handles) {
-    if (ar == NULL || handles == NULL) return set_error("ar or handles is NULL"), -1;
-    if (ar->opened) return set_error("the peers are open already"), -1;
+static int ar_open_peers(dpuf_ar *ar, const void *handles) {
     DPUF_CHECK(cudaSetDevice(ar->device));
     for (int32_t q = 0; q < ar->ranks; q++) {
         if (q == ar->rank) continue;
@@ -179,6 +147,23 @@ int dpuf_ar_open(dpuf_ar *ar, const void *handles) {
         memcpy(h, (const uint8_t *)handles + (size_t)q * AR_HANDLE_BYTES, sizeof h);
         DPUF_CHECK(cudaIpcOpenMemHandle(&ar->peer_buf[q], h[0], cudaIpcMemLazyEnablePeerAccess));
         DPUF_CHECK(cudaIpcOpenMemHandle((void **)&ar->peer_flags[q], h[1], cudaIpcMemLazyEnablePeerAccess));
+    }
+    return 0;
+}
+
+int dpuf_ar_open(dpuf_ar *ar, const void *handles) {
+    if (ar == NULL || handles == NULL) return set_error("ar or handles is NULL"), -1;
+    if (ar->opened) return set_error("the peers are open already"), -1;
+    if (ar_open_peers(ar, handles) != 0) {
+        /* What was mapped is unmapped again: a later open starts clean. */
+        for (int32_t q = 0; q < ar->ranks; q++) {
+            if (q == ar->rank) continue;
+            if (ar->peer_buf[q]) DPUF_NOTE(cudaIpcCloseMemHandle(ar->peer_buf[q]));
+            if (ar->peer_flags[q]) DPUF_NOTE(cudaIpcCloseMemHandle(ar->peer_flags[q]));
+            ar->peer_buf[q] = NULL;
+            ar->peer_flags[q] = NULL;
+        }
+        return -1;
     }
     ar->opened = true;
     return 0;
@@ -195,6 +180,7 @@ int dpuf_ar_run(dpuf_ar *ar, const void *in, void *out, int64_t n, int32_t dtype
         return set_error("%lld elements: %llu bytes, more than the %llu staged", (long long)n,
                          (unsigned long long)bytes, (unsigned long long)ar->max_bytes), -1;
     const cudaStream_t s = (cudaStream_t)stream;
+    DPUF_CHECK(cudaSetDevice(ar->device)); /* the caller's thread may have another current */
     ar_args a;
     memset(&a, 0, sizeof a);
     dpuf_ar_call *c = &a.call;

@@ -74,11 +74,12 @@ DPUF_AR_FN float dpuf_ar_bf16_to_f32(uint16_t h) {
     return v.f;
 }
 
-/* Round to nearest, ties to even (torch's float -> bfloat16); a NaN stays a NaN. */
+/* Round to nearest, ties to even (torch's float -> bfloat16); a NaN is the
+ * one the GPU's conversion gives (cvt.rn.bf16.f32: 0x7fff). */
 DPUF_AR_FN uint16_t dpuf_ar_f32_to_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fffu;
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
@@ -136,10 +137,23 @@ DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) {
 #define DPUF_AR_PAUSE() __nanosleep(100)
 #else
 #include <sched.h>
+#include <time.h>
 #define DPUF_AR_STORE_RELEASE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 /* The host build's ranks are threads that may outnumber the cores. */
 #define DPUF_AR_PAUSE() sched_yield()
+/* The host build's tests end rather than hang where a call's flags are lost (a
+ * broken protocol): a wait past this many seconds gives up, and says so here. */
+#define DPUF_AR_HOST_PATIENCE_S 10
+static int dpuf_ar_host_gave_up;
+DPUF_AR_FN int dpuf_ar_host_impatient(const struct timespec *since) {
+    if (__atomic_load_n(&dpuf_ar_host_gave_up, __ATOMIC_RELAXED)) return 1; /* one gave up: all do */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (now.tv_sec - since->tv_sec < DPUF_AR_HOST_PATIENCE_S) return 0;
+    __atomic_store_n(&dpuf_ar_host_gave_up, 1, __ATOMIC_RELAXED);
+    return 1;
+}
 #endif
 
 /* One thread of the block: `epoch` into word [phase][block][rank] of every
@@ -154,33 +168,69 @@ DPUF_AR_FN void dpuf_ar_signal(const dpuf_ar_call *c, int32_t phase, int32_t blo
  * `phase` of this call (its words in this rank's flags hold the epoch). */
 DPUF_AR_FN void dpuf_ar_wait(const dpuf_ar_call *c, int32_t phase, int32_t block) {
     const uint32_t *own = c->flags[c->rank];
+#ifndef __CUDA_ARCH__
+    struct timespec since;
+    clock_gettime(CLOCK_MONOTONIC, &since);
+#endif
     for (int32_t q = 0; q < c->ranks; q++)
-        while (dpuf_ar_load_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) DPUF_AR_PAUSE();
+        while (dpuf_ar_load_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) {
+            DPUF_AR_PAUSE();
+#ifndef __CUDA_ARCH__
+            if (dpuf_ar_host_impatient(&since)) return;
+#endif
+        }
 }
 
-/* ---- one block's part of a call, by one thread (the host build's form; the
- * GPU's kernel runs the same pieces with its threads between barriers) ---- */
+/* ---- one block's part of a call, for both sides ---------------------------- */
 
+/* The block's threads: on the GPU its CUDA threads, which meet at a barrier
+ * after each fencing its writes at system scope; on the host one thread is the
+ * block. */
+#ifdef __CUDA_ARCH__
+#define DPUF_AR_THREAD ((int64_t)threadIdx.x)
+#define DPUF_AR_THREADS ((int64_t)blockDim.x)
+#define DPUF_AR_MEET() \
+    do {                           \
+        __threadfence_system();    \
+        __syncthreads();           \
+    } while (0)
+#else
+#define DPUF_AR_THREAD ((int64_t)0)
+#define DPUF_AR_THREADS ((int64_t)1)
+#define DPUF_AR_MEET() ((void)0)
+#endif
+
+/* A phase: the block's writes so far fenced and met, thread 0 signals and waits,
+ * and the block meets again (its threads read what the peers wrote before it). */
+DPUF_AR_FN void dpuf_ar_phase(const dpuf_ar_call *c, int32_t phase, int32_t block) {
+    DPUF_AR_MEET();
+    if (DPUF_AR_THREAD == 0) {
+        dpuf_ar_signal(c, phase, block);
+        dpuf_ar_wait(c, phase, block);
+    }
+    DPUF_AR_MEET();
+}
+
+/* Block `block`'s part of the call, by every thread of the block: the kernel's
+ * body, and the host build's. */
 DPUF_AR_FN void dpuf_ar_block(const dpuf_ar_call *c, int32_t block) {
-    dpuf_ar_signal(c, DPUF_AR_READY, block);
-    dpuf_ar_wait(c, DPUF_AR_READY, block);
+    const int64_t t = DPUF_AR_THREAD, nt = DPUF_AR_THREADS;
+    dpuf_ar_phase(c, DPUF_AR_READY, block); /* the input was written before the call */
     if (!c->two_shot) {
         dpuf_ar_sum(c, c->out, dpuf_ar_cut(0, c->n, block, c->blocks), dpuf_ar_cut(0, c->n, block + 1, c->blocks),
-                    0, 1);
+                    t, nt);
     } else {
         const int64_t lo = dpuf_ar_cut(0, c->n, c->rank, c->ranks), hi = dpuf_ar_cut(0, c->n, c->rank + 1, c->ranks);
         dpuf_ar_sum(c, c->buf[c->rank], dpuf_ar_cut(lo, hi, block, c->blocks),
-                    dpuf_ar_cut(lo, hi, block + 1, c->blocks), 0, 1);
-        dpuf_ar_signal(c, DPUF_AR_MID, block);
-        dpuf_ar_wait(c, DPUF_AR_MID, block);
+                    dpuf_ar_cut(lo, hi, block + 1, c->blocks), t, nt);
+        dpuf_ar_phase(c, DPUF_AR_MID, block);
         for (int32_t s = 0; s < c->ranks; s++) {
             const int64_t slo = dpuf_ar_cut(0, c->n, s, c->ranks), shi = dpuf_ar_cut(0, c->n, s + 1, c->ranks);
             dpuf_ar_copy(c, c->out, c->buf[s], dpuf_ar_cut(slo, shi, block, c->blocks),
-                         dpuf_ar_cut(slo, shi, block + 1, c->blocks), 0, 1);
+                         dpuf_ar_cut(slo, shi, block + 1, c->blocks), t, nt);
         }
     }
-    dpuf_ar_signal(c, DPUF_AR_DONE, block);
-    dpuf_ar_wait(c, DPUF_AR_DONE, block);
+    dpuf_ar_phase(c, DPUF_AR_DONE, block); /* every read of the peers' buffers is done */
 }
 
 #endif /* DPUF_ALLREDUCE_H */

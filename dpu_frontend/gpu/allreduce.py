@@ -21,6 +21,14 @@ MAX_RANKS = 8
 PHASES = 3
 
 
+def _check(rc: int) -> None:
+    if rc == -2:
+        raise RuntimeError("a block of the all-reduce's host build waited past its patience "
+                           "for the other ranks: a call's flags were lost")
+    if rc != 0:
+        raise ValueError("the all-reduce's host build refused the call")
+
+
 class HostAllReduce:
     """``ranks`` ranks' buffers of ``n`` elements of ``dtype`` in host memory, and the
     flags they signal through, kept from call to call as a GPU's are; each call sums
@@ -33,6 +41,7 @@ class HostAllReduce:
         vp, i32, i64, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
         self._lib = bind(library, {
             "dpuf_ar_host_run": ((i32, i32, i32, i64, i32, u32, vp, vp, vp), ctypes.c_int),
+            "dpuf_ar_host_stream": ((i32, i32, i64, i32, i32, vp, vp, u32), ctypes.c_int),
         }, "the all-reduce's host build")
         self.ranks, self.n, self.blocks = ranks, n, blocks
         self._code, self.itemsize = DTYPES[dtype]
@@ -60,9 +69,26 @@ class HostAllReduce:
             array(*(ctypes.addressof(b) for b in self._bufs)),
             array(*(ctypes.addressof(f) for f in self._flags)),
             array(*(ctypes.addressof(o) for o in self._outs)))
-        if rc != 0:
-            raise ValueError("the all-reduce's host build refused the call")
+        _check(rc)
         return [o.raw[:size] for o in self._outs]
+
+    def stream(self, calls: Sequence[Sequence[bytes]], seed: int) -> list[list[bytes]]:
+        """Every call's results on every rank, ``calls[k][r]`` rank r's input to call k:
+        each rank on a stream of its own (its copy, then its blocks), one-shot and
+        two-shot in turn, drifting apart by ``seed``'s pauses (0: none), so that a rank
+        may start a call while another still reads the last one's buffers. Its own
+        buffers and flags, fresh."""
+        size = self.n * self.itemsize
+        if any(len(call) != self.ranks or any(len(x) != size for x in call) for call in calls):
+            raise ValueError(f"each call: {self.ranks} inputs of {size} bytes")
+        inputs = b"".join(x for call in calls for x in call)
+        outs = ctypes.create_string_buffer(max(1, len(inputs)))
+        rc = self._lib.dpuf_ar_host_stream(self.ranks, self._code, self.n, self.blocks, len(calls),
+                                           inputs, outs, seed)
+        _check(rc)
+        raw = outs.raw
+        return [[raw[(k * self.ranks + r) * size:(k * self.ranks + r + 1) * size]
+                 for r in range(self.ranks)] for k in range(len(calls))]
 
 
 class PeerMemoryLibrary(CudaLibrary):

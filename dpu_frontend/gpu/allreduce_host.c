@@ -10,23 +10,35 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
 typedef struct worker {
     dpuf_ar_call call;
     int32_t block;
+    uint32_t seed; /* 0: no delays */
 } worker;
 
+/* A pause of up to 200 us before a third of the steps, from `seed`: the ranks
+ * and blocks drift apart as GPUs do. */
+static void drift(uint32_t *seed) {
+    if (*seed != 0 && rand_r(seed) % 3 == 0) usleep((useconds_t)(rand_r(seed) % 200));
+}
+
 static void *run_block(void *arg) {
-    const worker *w = (const worker *)arg;
+    worker *w = (worker *)arg;
+    drift(&w->seed);
     dpuf_ar_block(&w->call, w->block);
     return NULL;
 }
 
 /* One call over `ranks` ranks: rank r's input in bufs[r], its signal words in
  * flags[r] (dpuf_ar_flag_words of them, left as the last call left them), its
- * result into outs[r]. 0, or -1 for a shape it does not take. */
+ * result into outs[r]. 0; -1 for a shape it does not take; -2 where a block
+ * waited past DPUF_AR_HOST_PATIENCE_S for the others (the results are then
+ * wrong). */
 EXPORT int dpuf_ar_host_run(int32_t ranks, int32_t dtype, int32_t two_shot, int64_t n, int32_t blocks,
                             uint32_t epoch, void **bufs, uint32_t **flags, void **outs) {
     if (ranks < 1 || ranks > DPUF_AR_MAX_RANKS || blocks < 1) return -1;
@@ -61,5 +73,83 @@ EXPORT int dpuf_ar_host_run(int32_t ranks, int32_t dtype, int32_t two_shot, int6
     for (int32_t k = 0; k < count; k++) pthread_join(threads[k], NULL);
     free(workers);
     free(threads);
-    return 0;
+    return __atomic_exchange_n(&dpuf_ar_host_gave_up, 0, __ATOMIC_RELAXED) ? -2 : 0;
+}
+
+typedef struct rank_stream {
+    int32_t rank, ranks, dtype, blocks, calls;
+    int64_t n;
+    size_t width;
+    void **bufs;
+    uint32_t **flags;
+    const uint8_t *inputs; /* [calls][ranks][n] */
+    uint8_t *outs;         /* [calls][ranks][n] */
+    uint32_t seed;
+} rank_stream;
+
+/* One rank's stream, as a GPU's stream runs it: each call's input copied into
+ * its buffer, then its blocks at once (the kernel), all of them ended before the
+ * next call's copy; nothing else orders it against the other ranks. */
+static void *run_stream(void *arg) {
+    rank_stream *rs = (rank_stream *)arg;
+    worker *workers = calloc((size_t)rs->blocks, sizeof *workers);
+    pthread_t *threads = calloc((size_t)rs->blocks, sizeof *threads);
+    if (workers == NULL || threads == NULL) abort();
+    const size_t bytes = (size_t)rs->n * rs->width;
+    for (int32_t k = 0; k < rs->calls; k++) {
+        drift(&rs->seed);
+        memcpy(rs->bufs[rs->rank], rs->inputs + ((size_t)k * rs->ranks + rs->rank) * bytes, bytes);
+        for (int32_t b = 0; b < rs->blocks; b++) {
+            dpuf_ar_call *c = &workers[b].call;
+            c->rank = rs->rank;
+            c->ranks = rs->ranks;
+            c->dtype = rs->dtype;
+            c->two_shot = k % 2;
+            c->n = rs->n;
+            c->blocks = rs->blocks;
+            c->epoch = (uint32_t)k + 1u;
+            for (int32_t q = 0; q < rs->ranks; q++) {
+                c->buf[q] = rs->bufs[q];
+                c->flags[q] = rs->flags[q];
+            }
+            c->out = rs->outs + ((size_t)k * rs->ranks + rs->rank) * bytes;
+            workers[b].block = b;
+            workers[b].seed = rs->seed ? rs->seed + (uint32_t)b + 1u : 0;
+            if (pthread_create(&threads[b], NULL, run_block, &workers[b]) != 0) abort();
+        }
+        for (int32_t b = 0; b < rs->blocks; b++) pthread_join(threads[b], NULL);
+    }
+    free(workers);
+    free(threads);
+    return NULL;
+}
+
+/* `calls` calls on every rank, alternating one-shot and two-shot, each rank on a
+ * stream of its own that drifts from the others' (seed 0: none): a rank may
+ * start its next call while another is still in this one. The buffers and flags
+ * are made here, zeroed. 0, -1 or -2 as dpuf_ar_host_run's. */
+EXPORT int dpuf_ar_host_stream(int32_t ranks, int32_t dtype, int64_t n, int32_t blocks, int32_t calls,
+                               const void *inputs, void *outs, uint32_t seed) {
+    if (ranks < 1 || ranks > DPUF_AR_MAX_RANKS || blocks < 1 || calls < 0 || n < 0) return -1;
+    const size_t width = dtype == DPUF_AR_BF16 ? 2 : 4;
+    void *bufs[DPUF_AR_MAX_RANKS];
+    uint32_t *flags[DPUF_AR_MAX_RANKS];
+    rank_stream streams[DPUF_AR_MAX_RANKS];
+    pthread_t threads[DPUF_AR_MAX_RANKS];
+    for (int32_t r = 0; r < ranks; r++) {
+        bufs[r] = calloc((size_t)n + 1, width);
+        flags[r] = calloc((size_t)dpuf_ar_flag_words(blocks, ranks), sizeof(uint32_t));
+        if (bufs[r] == NULL || flags[r] == NULL) abort();
+    }
+    for (int32_t r = 0; r < ranks; r++) {
+        streams[r] = (rank_stream){r, ranks, dtype, blocks, calls, n, width, bufs, flags,
+                                   (const uint8_t *)inputs, (uint8_t *)outs, seed ? seed * 977u + (uint32_t)r : 0};
+        if (pthread_create(&threads[r], NULL, run_stream, &streams[r]) != 0) abort();
+    }
+    for (int32_t r = 0; r < ranks; r++) pthread_join(threads[r], NULL);
+    for (int32_t r = 0; r < ranks; r++) {
+        free(bufs[r]);
+        free(flags[r]);
+    }
+    return __atomic_exchange_n(&dpuf_ar_host_gave_up, 0, __ATOMIC_RELAXED) ? -2 : 0;
 }

@@ -1,13 +1,16 @@
 """Tensor parallelism's all-reduce over NVLink peer memory (``gpu/allreduce.cu``,
 ``layers.collective.PeerMemoryGroup``) on 2 and 4 GPUs, each rank a process: its bits
 equal ``GatheredGroup``'s (NCCL's all-gather, then the rank-order sum) for bfloat16 and
-float32 messages from one element to 4 MiB, one-shot and two-shot, eager and replayed
-from a CUDA graph (the epochs live in GPU memory, so a replay is a new call). Needs a
+float32 messages from one element to 4 MiB, one-shot and two-shot, eager, back to
+back with each rank pausing at random (one ahead starts the next call while another
+still reads), and replayed from a CUDA graph (the epochs live in GPU memory, so a
+replay is a new call). Needs a
 machine with 2 GPUs (4 for the 4-rank case); ``CUDA_VISIBLE_DEVICES`` as it comes."""
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ pytestmark = pytest.mark.gpu
 #: both sides of the one-shot bound (256 KiB).
 SIZES = (1, 7, 4099, 65_536, 131_073, 1 << 20)
 MAX_BYTES = 4 << 20
+DRIFTING = 40  # back-to-back calls with random pauses
+REPLAYS = 3
 
 
 def free_port() -> int:
@@ -56,22 +61,40 @@ def rank_main(rank: int, size: int, port: int, library: str, result: Any) -> Non
                 assert torch.equal(bits(peer.all_reduce(x)), bits(reference.all_reduce(x))), \
                     (dtype, n)
                 checked += 1
-        # Replayed from a graph: each replay a new call, its input rewritten in place.
-        x = torch.empty(4099, device="cuda", dtype=torch.bfloat16)
+        # Back to back, each rank pausing at random before each call, so that one ahead
+        # starts the next call while another still reads this one's buffers: one-shot
+        # and two-shot in turn (8 KiB, then 256 KiB and 2 bytes), checked afterwards.
+        pause = random.Random(rank)
+        xs, outs = [], []
+        for k in range(DRIFTING):
+            n = 4099 if k % 2 == 0 else 131_073
+            xs.append(torch.randn(n, device="cuda", generator=torch.Generator(
+                device="cuda").manual_seed(100 * rank + k)).to(torch.bfloat16))
+            torch.cuda._sleep(pause.randrange(0, 2_000_000))
+            outs.append(peer.all_reduce(xs[-1]))
+        torch.cuda.synchronize()
+        for x, out in zip(xs, outs, strict=True):
+            assert torch.equal(bits(out), bits(reference.all_reduce(x)))
+            checked += 1
+        # Replayed from a graph, a one-shot call and a two-shot one: each replay new
+        # calls (their epochs in GPU memory), the inputs rewritten in place.
+        small = torch.zeros(4099, device="cuda", dtype=torch.bfloat16)
+        large = torch.zeros(131_073, device="cuda", dtype=torch.bfloat16)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            x.normal_()
-            peer.all_reduce(x)  # warm-up outside the capture
+            peer.all_reduce(small)  # warm-up outside the capture
+            peer.all_reduce(large)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
-                out = peer.all_reduce(x)
-        for replay in range(3):
-            x.copy_(torch.randn(4099, device="cuda",
-                                generator=torch.Generator(device="cuda").manual_seed(
-                                    rank * 10 + replay)).to(torch.bfloat16))
+                out_small, out_large = peer.all_reduce(small), peer.all_reduce(large)
+        for replay in range(REPLAYS):
+            for x in (small, large):
+                x.copy_(torch.randn(x.numel(), device="cuda", generator=torch.Generator(
+                    device="cuda").manual_seed(rank * 10 + replay)).to(torch.bfloat16))
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(bits(out), bits(reference.all_reduce(x)))
+            assert torch.equal(bits(out_small), bits(reference.all_reduce(small)))
+            assert torch.equal(bits(out_large), bits(reference.all_reduce(large)))
             checked += 1
         dist.barrier()
         peer.close()
@@ -80,6 +103,7 @@ def rank_main(rank: int, size: int, port: int, library: str, result: Any) -> Non
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_peer_memory_all_reduce_gives_the_gathered_sums_bits(size: int) -> None:
     if torch.cuda.device_count() < size:
@@ -89,6 +113,7 @@ def test_the_peer_memory_all_reduce_gives_the_gathered_sums_bits(size: int) -> N
     with mp.Manager() as manager:
         result = manager.dict()
         mp.spawn(rank_main, args=(size, free_port(), library, result), nprocs=size)
-        assert dict(result) == {r: 2 * len(SIZES) + 3 for r in range(size)}
+        assert dict(result) == {r: 2 * len(SIZES) + DRIFTING + REPLAYS for r in range(size)}
     print(f"{size} ranks: the peer-memory all-reduce gave the gathered rank-order sum's "
-          f"bits for {2 * len(SIZES)} messages and 3 graph replays")
+          f"bits for {2 * len(SIZES)} messages, {DRIFTING} drifting back-to-back calls and "
+          f"{REPLAYS} graph replays of a one-shot and a two-shot call")

@@ -65,6 +65,23 @@ def test_every_rank_gets_the_rank_order_sum_one_shot_and_two_shot(
         assert got == [want] * ranks, (call, dtype, ranks, n, blocks)
 
 
+@pytest.mark.parametrize(("ranks", "blocks"), [(2, 1), (4, 3), (8, 2)])
+def test_ranks_that_drift_apart_never_overwrite_what_another_still_reads(
+        build_dir: Path, ranks: int, blocks: int) -> None:
+    """Each rank on a stream of its own, pausing at random, 100 calls: a fast rank
+    starts its next call (its copy into its buffer, its READY) while a slow one still
+    sums or copies the last; DONE keeps it from overwriting what that one reads, and
+    the epochs keep the calls' flags apart. Every call's result on every rank is its
+    own inputs' sum. (Without DONE's wait the calls mix, or the ranks wait forever.)"""
+    rng = np.random.default_rng(ranks * 10 + blocks)
+    n, dtype = 257, "float32"
+    calls = [[values(rng, n, dtype) for _ in range(ranks)] for _ in range(100)]
+    ar = HostAllReduce.build(build_dir, ranks, n, dtype, blocks)
+    got = ar.stream([[x.tobytes() for x in call] for call in calls], seed=ranks + blocks)
+    for k, call in enumerate(calls):
+        assert got[k] == [rank_order_sum(call, dtype)] * ranks, k
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_same_values_in_another_message_give_the_same_bits(build_dir: Path, dtype: str) -> None:
     """The same ranks' values as the first 37 elements of a message of 4,099 cut into 5

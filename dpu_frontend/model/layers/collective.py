@@ -17,11 +17,12 @@ kernel on the caller's stream, which a CUDA graph captures.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
+from dpu_frontend.errors import StartupError
 from dpu_frontend.gpu.allreduce import PeerMemoryLibrary
 
 
@@ -82,7 +83,10 @@ class PeerMemoryGroup(GatheredGroup):
     to ``max_bytes``. The same bits as ``GatheredGroup``'s (rank order, float32, one
     rounding), so what it does not take (another dtype, a larger message) goes there
     and nothing changes but the route. Every rank makes the same calls in the same
-    order, as with any collective."""
+    order, as with any collective, on one stream at a time (one staging buffer). Every
+    rank must take the same settings (checked here: a different grid or bound would
+    leave blocks waiting for words no rank writes), and a rank that cannot map the
+    others' memory fails the group's start on every rank, never leaving them waiting."""
 
     #: One-shot below this: each rank reads every rank's whole input, one phase less.
     ONE_SHOT_BYTES: ClassVar[int] = 256 << 10
@@ -93,24 +97,41 @@ class PeerMemoryGroup(GatheredGroup):
                  group: dist.ProcessGroup | None = None) -> None:
         super().__init__(group)
         self.max_bytes = max_bytes
+        self.device = torch.cuda.current_device()
         self.lib = PeerMemoryLibrary.load(library)
-        self.handle = self.lib.create(torch.cuda.current_device(), self.rank, self.size,
-                                      max_bytes, blocks)
-        everyone: list[bytes | None] = [None] * self.size
-        dist.all_gather_object(everyone, self.lib.handles(self.handle), group=group)
-        self.lib.open(self.handle, [h for h in everyone if h is not None])
-        dist.barrier(group=group)
+        self.handle = self.lib.create(self.device, self.rank, self.size, max_bytes, blocks)
+        settings = (blocks, max_bytes, self.ONE_SHOT_BYTES)
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, (settings, self.lib.handles(self.handle)), group=group)
+        if any(theirs != settings for theirs, _ in everyone):
+            self.lib.destroy(self.handle)
+            raise StartupError("the ranks' all-reduce settings differ (blocks, max_bytes, "
+                               f"one-shot bound): {[theirs for theirs, _ in everyone]}")
+        failure = ""
+        try:
+            self.lib.open(self.handle, [handles for _, handles in everyone])
+        except StartupError as exc:
+            failure = f"rank {self.rank}: {exc}"
+        failures: list[Any] = [None] * self.size
+        dist.all_gather_object(failures, failure, group=group)
+        if any(failures):
+            self.lib.destroy(self.handle)
+            raise StartupError("the all-reduce over peer memory cannot start: "
+                               + "; ".join(f for f in failures if f))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         name = self.DTYPES.get(x.dtype)
-        if name is None or x.nbytes > self.max_bytes or not x.is_cuda:
+        if name is None or x.nbytes > self.max_bytes or x.device != torch.device("cuda", self.device):
             return super().all_reduce(x)
         x = x.contiguous()
         out = torch.empty_like(x)
         self.lib.run(self.handle, x.data_ptr(), out.data_ptr(), x.numel(), name,
-                     x.nbytes > self.ONE_SHOT_BYTES, torch.cuda.current_stream().cuda_stream)
+                     x.nbytes > self.ONE_SHOT_BYTES, torch.cuda.current_stream(x.device).cuda_stream)
         return out
 
     def close(self) -> None:
-        """The buffers freed and the peers' unmapped (after every rank's last call)."""
+        """The buffers freed and the peers' unmapped, once every rank's calls are done
+        (a barrier of the group)."""
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
         self.lib.destroy(self.handle)
