@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,8 +18,7 @@ import pytest
 from dpu_frontend.config import PeerAddress, ServeConfig
 from dpu_frontend.control.stats import peer_stats
 from dpu_frontend.engine.session import PeerSession
-from dpu_frontend.peer.generator import TokenGenerator, default_corpus
-from dpu_frontend.ring import FinishReason, GenerateRecord, ResponseRecord, SamplingParams
+from dpu_frontend.ring import FinishReason, ResponseRecord, SamplingParams
 from dpu_frontend.ring.automaton import CheckedAutomaton, Constraint, encode_automaton
 from dpu_frontend.text.constraints import ConstraintCompiler, ConstraintSpec
 from tests.integration.scenarios import (
@@ -29,6 +27,7 @@ from tests.integration.scenarios import (
     check_constrained_equals_the_reference,
     check_stream_equals_full_and_decode,
     load_vocab,
+    replay_answers,
 )
 from tests.raw_ring import poll_until_final, write_constrained, write_unknown_kind
 from tests.stack import MODEL, Stack, running_stack
@@ -92,22 +91,6 @@ async def test_sdk_constrained_answer_is_the_reference_walk(gpu_stack: Stack) ->
     await check_constrained_equals_the_reference(gpu_stack)
 
 
-def reference_answers(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                      automaton: CheckedAutomaton) -> list[tuple[list[int], FinishReason]]:
-    """What the Python peer's replay gives each request, walking ``automaton``."""
-    vocab = load_vocab()
-    engine = TokenGenerator(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
-                            eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=1)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.admit(GenerateRecord(i + 1, 0, 0, p), tuple(prompt), time.monotonic(), automaton)
-    out: dict[int, tuple[list[int], FinishReason]] = {i + 1: ([], FinishReason.NONE)
-                                                      for i in range(len(prompts))}
-    while any(f is FinishReason.NONE for _, f in out.values()):
-        for r in engine.step(time.monotonic(), 64):
-            out[r.request_id] = (out[r.request_id][0] + list(r.tokens), r.finish)
-    return list(out.values())
-
-
 def answer(seen: Sequence[ResponseRecord], request: int) -> tuple[list[int], FinishReason]:
     mine = [r for r in seen if r.request_id == request]
     return [t for r in mine for t in r.tokens], mine[-1].finish
@@ -147,7 +130,7 @@ async def test_automata_on_a_raw_channel(gpu_stack: Stack) -> None:
         after = (await peer_stats(address))[session.channel_index]
     finally:
         await session.close()
-    want = reference_answers(prompts, params, checked)
+    want = replay_answers(vocab, prompts, params, checked)
     assert [answer(seen, i + 1) for i in range(4)] == want
     assert len({tuple(tokens) for tokens, _ in want}) == 4  # four different walks
     assert [finish for _, finish in want] == [FinishReason.STOP, FinishReason.LENGTH,

@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import time
+from collections.abc import Sequence
 
 import aiohttp
 from openai import AsyncOpenAI, OpenAI
@@ -126,22 +127,31 @@ def chat_prompt_ids(vocab: Vocabulary) -> list[int]:
                         add_special_tokens=False)
 
 
-def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
-                      seed: int | None = None,
-                      automaton: CheckedAutomaton | None = None) -> tuple[list[int], str]:
-    """The ids the reference peer generates for these prompt ids (its engine is
-    deterministic), walking ``automaton`` where one constrains them."""
+def replay_answers(vocab: Vocabulary, prompts: Sequence[Sequence[int]],
+                   params: Sequence[SamplingParams],
+                   automaton: CheckedAutomaton | None = None) -> list[tuple[list[int], FinishReason]]:
+    """Each request's ids and finish as the reference peer's replay gives them (its
+    engine is deterministic), walking ``automaton`` where one constrains them."""
     per_record = Geometry().plan(1).channels[0].tokens_per_response
     engine = TokenGenerator(mode="replay", corpus_ids=[vocab.encode(d) for d in default_corpus()],
                     eos_token_ids=vocab.eos_token_ids, tokens_per_s=0, tokens_per_step=per_record)
-    engine.admit(GenerateRecord(1, 0, 0, SamplingParams(max_tokens=max_tokens, seed=seed)),
-                 tuple(prompt_ids), time.monotonic(), automaton)
-    ids: list[int] = []
-    finish = FinishReason.NONE
-    while finish == FinishReason.NONE:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.admit(GenerateRecord(i + 1, 0, 0, p), tuple(prompt), time.monotonic(), automaton)
+    out: dict[int, tuple[list[int], FinishReason]] = {i + 1: ([], FinishReason.NONE)
+                                                      for i in range(len(prompts))}
+    while any(finish is FinishReason.NONE for _, finish in out.values()):
         for record in engine.step(time.monotonic(), 64):
-            ids += record.tokens
-            finish = record.finish
+            ids, _ = out[record.request_id]
+            out[record.request_id] = (ids + list(record.tokens), record.finish)
+    return list(out.values())
+
+
+def replay_generation(vocab: Vocabulary, prompt_ids: list[int], max_tokens: int,
+                      seed: int | None = None,
+                      automaton: CheckedAutomaton | None = None) -> tuple[list[int], str]:
+    """The ids the reference peer generates for these prompt ids, and its finish."""
+    [(ids, finish)] = replay_answers(vocab, [prompt_ids],
+                                     [SamplingParams(max_tokens=max_tokens, seed=seed)], automaton)
     return ids, {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}[finish]
 
 
