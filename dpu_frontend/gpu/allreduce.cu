@@ -182,19 +182,9 @@ int dpuf_ar_run(dpuf_ar *ar, const void *in, void *out, int64_t n, int32_t dtype
     const cudaStream_t s = (cudaStream_t)stream;
     DPUF_CHECK(cudaSetDevice(ar->device)); /* the caller's thread may have another current */
     ar_args a;
-    memset(&a, 0, sizeof a);
-    dpuf_ar_call *c = &a.call;
-    c->rank = ar->rank;
-    c->ranks = ar->ranks;
-    c->dtype = dtype;
-    c->two_shot = two_shot != 0;
-    c->n = n;
-    c->blocks = ar->blocks;
-    for (int32_t q = 0; q < ar->ranks; q++) {
-        c->buf[q] = ar->peer_buf[q];
-        c->flags[q] = ar->peer_flags[q];
-    }
-    c->out = out;
+    /* The epoch is the kernel's, from a.epochs: 0 here. */
+    a.call = dpuf_ar_call_of(ar->rank, ar->ranks, dtype, two_shot, n, ar->blocks, 0, ar->peer_buf, ar->peer_flags,
+                             out);
     a.epochs = ar->epochs;
     if (bytes) DPUF_CHECK(cudaMemcpyAsync(ar->buf, in, bytes, cudaMemcpyDeviceToDevice, s));
     allreduce_kernel<<<ar->blocks, AR_THREADS, 0, s>>>(a);

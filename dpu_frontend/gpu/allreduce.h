@@ -61,6 +61,26 @@ typedef struct dpuf_ar_call {
     void *out;            /* this rank's result, n elements */
 } dpuf_ar_call;
 
+/* Rank `rank`'s call over every rank's buffers and flags (as it reaches them). */
+DPUF_AR_FN dpuf_ar_call dpuf_ar_call_of(int32_t rank, int32_t ranks, int32_t dtype, int32_t two_shot, int64_t n,
+                                        int32_t blocks, uint32_t epoch, void *const *bufs, uint32_t *const *flags,
+                                        void *out) {
+    dpuf_ar_call c;
+    c.rank = rank;
+    c.ranks = ranks;
+    c.dtype = dtype;
+    c.two_shot = two_shot != 0;
+    c.n = n;
+    c.blocks = blocks;
+    c.epoch = epoch;
+    for (int32_t q = 0; q < DPUF_AR_MAX_RANKS; q++) {
+        c.buf[q] = q < ranks ? bufs[q] : 0;
+        c.flags[q] = q < ranks ? flags[q] : 0;
+    }
+    c.out = out;
+    return c;
+}
+
 /* The signal words a rank holds for a grid of `blocks`. */
 DPUF_AR_FN int64_t dpuf_ar_flag_words(int32_t blocks, int32_t ranks) {
     return (int64_t)DPUF_AR_PHASES * blocks * ranks;

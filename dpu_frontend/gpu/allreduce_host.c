@@ -51,19 +51,8 @@ EXPORT int dpuf_ar_host_run(int32_t ranks, int32_t dtype, int32_t two_shot, int6
         return -1;
     }
     for (int32_t k = 0; k < count; k++) {
-        dpuf_ar_call *c = &workers[k].call;
-        c->rank = k / blocks;
-        c->ranks = ranks;
-        c->dtype = dtype;
-        c->two_shot = two_shot;
-        c->n = n;
-        c->blocks = blocks;
-        c->epoch = epoch;
-        for (int32_t q = 0; q < ranks; q++) {
-            c->buf[q] = bufs[q];
-            c->flags[q] = flags[q];
-        }
-        c->out = outs[c->rank];
+        workers[k].call = dpuf_ar_call_of(k / blocks, ranks, dtype, two_shot, n, blocks, epoch, bufs, flags,
+                                          outs[k / blocks]);
         workers[k].block = k % blocks;
     }
     for (int32_t k = 0; k < count; k++)
@@ -100,19 +89,9 @@ static void *run_stream(void *arg) {
         drift(&rs->seed);
         memcpy(rs->bufs[rs->rank], rs->inputs + ((size_t)k * rs->ranks + rs->rank) * bytes, bytes);
         for (int32_t b = 0; b < rs->blocks; b++) {
-            dpuf_ar_call *c = &workers[b].call;
-            c->rank = rs->rank;
-            c->ranks = rs->ranks;
-            c->dtype = rs->dtype;
-            c->two_shot = k % 2;
-            c->n = rs->n;
-            c->blocks = rs->blocks;
-            c->epoch = (uint32_t)k + 1u;
-            for (int32_t q = 0; q < rs->ranks; q++) {
-                c->buf[q] = rs->bufs[q];
-                c->flags[q] = rs->flags[q];
-            }
-            c->out = rs->outs + ((size_t)k * rs->ranks + rs->rank) * bytes;
+            workers[b].call = dpuf_ar_call_of(rs->rank, rs->ranks, rs->dtype, k % 2, rs->n, rs->blocks,
+                                              (uint32_t)k + 1u, rs->bufs, rs->flags,
+                                              rs->outs + ((size_t)k * rs->ranks + rs->rank) * bytes);
             workers[b].block = b;
             workers[b].seed = rs->seed ? rs->seed + (uint32_t)b + 1u : 0;
             if (pthread_create(&threads[b], NULL, run_block, &workers[b]) != 0) abort();
