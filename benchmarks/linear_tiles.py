@@ -31,7 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -64,9 +69,11 @@ LARGE: list[Tile] = (
        Tile(128, 64, 128, 4, 4), Tile(128, 128, 128, 8, 3)]
     # Triton 3.6's compiler asserts on the warp-specialized 64 x 256 tile at 4 warps
     # (DotOpMmaSmemLoader: "Instruction shape is too large for the layout"), which ends the
-    # process: that one has no twin (H200, 2026-12-01).
+    # process, and its 128 x 64 tiles at 4 warps compile for more than a minute without
+    # an end (H200, 2026-12-01 and -02): those have no twin. ``probe_aborts`` leaves out
+    # any other that ends or stalls a child.
     + LARGE_TMA + [t._replace(ws=True) for t in LARGE_TMA
-                   if (t.block_m, t.block_n, t.warps) != (64, 256, 4)])
+                   if (t.block_m, t.block_n, t.warps) not in ((64, 256, 4), (128, 64, 4))])
 #: Candidate tiles per row-count bucket (linear.M_BUCKETS): narrow tiles deep in K for
 #: a few rows (enough programs to stream the weight), tall ones for many.
 CANDIDATES: tuple[list[Tile], ...] = (
@@ -152,10 +159,12 @@ def entry(split: int, tile: Tile) -> str:
 
 
 def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, bandwidth: float,
-            gen: torch.Generator, fp8: bool = False, ws_only: bool = False) -> dict[str, Any]:
+            gen: torch.Generator, fp8: bool = False, ws_only: bool = False,
+            aborts: frozenset[Tile] = frozenset()) -> dict[str, Any]:
     """Every candidate of each row count's bucket in each K split, the tables' choice
     and cuBLAS. A candidate counts when it gives its split's reference bits.
-    ``ws_only``: of the candidates, the warp-specialized ones alone."""
+    ``ws_only``: of the candidates, the warp-specialized ones alone; ``aborts``: tiles
+    left out, whose compile ends the process (``probe_aborts``)."""
     device = torch.device("cuda")
     n, k = shape.n, shape.k
     element = 1 if fp8 else 2
@@ -201,7 +210,7 @@ def measure(shape: Shape, batches: list[int], splits: list[int], iters: int, ban
                 raise SystemExit(f"{shape.name}: the reference tile's row 0 differs alone and "
                                  f"among {m} rows: the kernel is not batch-invariant")
             tiles = [table, reference_tile, *(t for t in candidates[linear.bucket(m)]
-                                              if t.ws or not ws_only)]
+                                              if (t.ws or not ws_only) and t not in aborts)]
             if split > 1:  # the splits one after the other in a program, or spread
                 tiles += [t._replace(spread=True) for t in tiles if not t.tma]
             operands = ((x.data, weights[0].data) if isinstance(x, Fp8Rows)
@@ -290,6 +299,74 @@ def best_per_split(rows: dict[str, Any], splits: list[int], buckets: int) -> lis
     return lines
 
 
+def probe(shape: Shape, skip: set[str]) -> None:
+    """The ``--probe`` child: each warp-specialized tile not in ``skip`` run once at 256
+    rows, ``try`` printed before and ``ok`` after, so that the parent reading the output
+    knows which tile's compile ended the process or stalled it."""
+    device = torch.device("cuda")
+    x = torch.randn((256, shape.k), device=device).to(torch.bfloat16)
+    w = (torch.randn((shape.n, shape.k), device=device) * 0.05).to(torch.bfloat16)
+    residual = (torch.zeros((256, shape.n // 2 if shape.gated else shape.n), device=device,
+                            dtype=torch.bfloat16) if shape.residual else None)
+    split = linear.linear_split(shape.n, shape.k, torch.bfloat16)
+    for tile in dict.fromkeys(t for t in LARGE if t.ws and str(t) not in skip):
+        print(f"try {tile}", flush=True)
+        try:
+            linear.linear(x, w, shape.out_dtype, gated=shape.gated, residual=residual,
+                          tile=tile, split=split)
+            torch.cuda.synchronize()
+        except Exception:  # a Python error is measure's to report: not an abort
+            pass
+        print(f"ok {tile}", flush=True)
+
+
+#: A warp-specialized tile whose compile and first run take longer than this is left out.
+PROBE_TILE_SECONDS = 60.0
+
+
+def probe_aborts(model: list[str], shape: Shape) -> frozenset[Tile]:
+    """The warp-specialized tiles whose compile ends the process on this shape (a
+    compiler's assert in C++, as Triton 3.6's on some tiles, is no Python exception) or
+    stalls past ``PROBE_TILE_SECONDS``: ``probe`` run in children, one again past each
+    tile that ended or stalled one. Compiled kernels stay in Triton's cache, so the
+    parent's own compiles cost nothing again."""
+    skip: dict[str, str] = {}
+    while True:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.linear_tiles", *model, "--shapes", shape.name,
+             "--probe", *(f"--probe-skip={t}" for t in sorted(skip))],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        assert child.stdout is not None
+        trying, began, stalled, pending = None, time.monotonic(), False, b""
+        while True:
+            ready, _, _ = select.select([child.stdout], [], [], 1.0)
+            chunk = os.read(child.stdout.fileno(), 4096) if ready else None
+            if chunk == b"":  # the child is gone
+                break
+            *lines, pending = (pending + (chunk or b"")).split(b"\n")
+            for line in lines:  # whole lines only: no line waits in a buffer here
+                word, _, name = line.decode().strip().partition(" ")
+                if word == "try":
+                    trying, began = name, time.monotonic()
+                elif word == "ok" and name == trying:
+                    print(f"  {shape.name}: {name} compiled and ran in "
+                          f"{time.monotonic() - began:.1f} s", flush=True)
+                    trying = None
+            if trying is not None and time.monotonic() - began > PROBE_TILE_SECONDS:
+                child.kill()
+                stalled = True
+                break
+        rc = child.wait()
+        if trying is None:
+            if rc != 0:
+                raise SystemExit(f"the probe of {shape.name} failed outside a tile (rc {rc})")
+            for name, why in skip.items():
+                print(f"  {shape.name}: {name} left out ({why})", flush=True)
+            return frozenset(t for t in LARGE if str(t) in skip)
+        skip[trying] = (f"no answer in {PROBE_TILE_SECONDS:.0f} s" if stalled else
+                        f"its compile ended the process, rc {rc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-config", type=Path, action="append", metavar="FILE",
@@ -309,12 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ws-only", action="store_true",
                         help="of the candidates, only the warp-specialized TMA tiles (with "
                              "the table's tile, the reference and cuBLAS)")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-skip", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    configs = [(p.stem, ModelConfig.load(p)) for p in args.model_config or []]
+    configs: list[tuple[str, ModelConfig, Path | None]] = [
+        (p.stem, ModelConfig.load(p), p) for p in args.model_config or []]
     if args.with_default or not configs:
-        configs.insert(0, ("qwen3-0.6b", ModelConfig.default()))
+        configs.insert(0, ("qwen3-0.6b", ModelConfig.default(), None))
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)  # bytes moved per second, as benchmarks.model_step
+    # bytes moved per second, as benchmarks.model_step (a probe times nothing)
+    bandwidth = 0.0 if args.probe else copy_bandwidth(device)
     gen = torch.Generator(device=device).manual_seed(1)
     # Triton's version beside the figures: its warp specialization on Hopper (the "w"
     # tiles) is recent, and an older one would time another loop.
@@ -323,17 +404,25 @@ def main(argv: list[str] | None = None) -> int:
                            "copy_bandwidth_GBps": bandwidth / 1e9, "models": {}}
     figures: dict[str, object] = {"device": out["device"], "triton": out["triton"],
                                   "copy_bandwidth_GBps": round(bandwidth / 1e9, 1)}
-    print(f"{out['device']}, Triton {triton.__version__}: copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s (read + write)")
+    if not args.probe:
+        print(f"{out['device']}, Triton {triton.__version__}: copy bandwidth "
+              f"{bandwidth / 1e9:.0f} GB/s (read + write)")
     table: dict[str, list[str]] = {}
-    for model, config in configs:
+    for model, config, path in configs:
         out["models"][model] = {}
         for shape in shapes(config):
             if (args.shapes and shape.name not in args.shapes) or (
                     args.fp8 and shape.name == "lm_head"):
                 continue
+            if args.probe:
+                probe(shape, set(args.probe_skip))
+                continue
+            # The warp-specialized tiles are probed in children first, whose aborts would
+            # end this run (--ws-only times nothing else; the full sweep takes them too).
+            aborts = frozenset() if args.fp8 else probe_aborts(
+                [] if path is None else [f"--model-config={path}"], shape)
             rows = measure(shape, args.batch, args.splits, args.iters, bandwidth, gen, args.fp8,
-                           args.ws_only)
+                           args.ws_only, aborts)
             out["models"][model][shape.name] = rows
             text, shape_figures = report(f"{model} {shape.name}", rows)
             print(text, flush=True)
@@ -341,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             splits = list(dict.fromkeys([int(rows["split"]), *([] if args.fp8 else args.splits)]))
             table[f"{model} {shape.name} ({shape.n}, {shape.k})"] = best_per_split(
                 rows, splits, len(CANDIDATES))
+    if args.probe:
+        return 0
     print("best exact tile per bucket (M <= " + ", ".join(map(str, linear.M_BUCKETS)) + ", more):")
     for name, lines in table.items():
         print(name)
