@@ -18,9 +18,14 @@ more than 0.05 stops the run.
     python -m benchmarks.attention_prefill --model-config benchmarks/configs/qwen3-8b.json
     python -m benchmarks.attention_prefill --cases 1x2048 8x512 4x512@1024 2x512+256x328
 
-``--check`` compares the outputs alone, in float32, on whatever device torch has (on
-a machine without a GPU, under ``TRITON_INTERPRET=1`` with small cases); it times
-nothing.
+``--tall 2 4`` also times the engine with those tall factors for the prompt tokens
+(``layers.attention.ATTN_TALL``: a second launch of taller tiles), beside the default in
+the same run, and says whether each gives the default's bits (a factor that does not
+cannot become the default).
+
+``--check`` compares the outputs alone (each ``--tall`` factor's too), in float32, on
+whatever device torch has (on a machine without a GPU, under ``TRITON_INTERPRET=1``
+with small cases); it times nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +47,7 @@ from benchmarks.common import record
 from benchmarks.linear_tiles import timed
 from benchmarks.model_step import copy_bandwidth
 from dpu_frontend.model.config import ModelConfig
-from dpu_frontend.model.layers.attention import ATTN_ROWS, paged_attention
+from dpu_frontend.model.layers.attention import ATTN_ROWS, ATTN_TALL, paged_attention
 
 PAGE = 32
 CASES = ("1x2048", "8x512", "32x128", "4x512@1024", "2x512+256x328", "1x2048+64x1024")
@@ -175,8 +181,8 @@ class Step:
              .view(len(seqs), tokens, *self.q.shape[1:]).transpose(1, 2).contiguous())
         return q, k, v, context
 
-    def engine(self) -> torch.Tensor:
-        paged_attention(self.q, self.k, self.v, *self.meta, self.out)
+    def engine(self, tall: int = ATTN_TALL) -> torch.Tensor:
+        paged_attention(self.q, self.k, self.v, *self.meta, self.out, tall=tall)
         return self.out
 
     def sdpa(self) -> list[torch.Tensor]:
@@ -192,9 +198,10 @@ class Step:
                                                      scale=q.shape[-1] ** -0.5, enable_gqa=True))
         return self.sdpa_out
 
-    def error(self) -> float:
-        """The largest difference between the engine's output and SDPA's."""
-        engine, dense = self.engine(), self.sdpa()
+    def error(self, tall: int = ATTN_TALL) -> float:
+        """The largest difference between the engine's output (``tall``: its factor for
+        the prompt tokens) and SDPA's."""
+        engine, dense = self.engine(tall), self.sdpa()
         worst, first = 0.0, 0
         for (q, _, _, _), out in zip(self.groups, dense, strict=True):
             rows = q.shape[0] * q.shape[2]
@@ -209,17 +216,31 @@ class Step:
                    for c, n in self.case.sequences())
 
 
+def tall_engine(step: Step, tall: int, _: int) -> torch.Tensor:
+    return step.engine(tall)
+
+
 def timings(step: Step, config: ModelConfig, iters: int, bandwidth: float,
-            error: float) -> str:
-    """The engine's and SDPA's GPU time for ``step``, beside its bytes and FLOPs."""
+            error: float, talls: list[int]) -> dict[str, str]:
+    """The engine's and SDPA's GPU time for ``step``, beside its bytes and FLOPs; and
+    the engine's with each of ``talls``, with whether it gives the default's bits."""
     engine_us = timed(lambda _: step.engine(), iters)
     with flash(step.q.device):
         sdpa_us = timed(lambda _: step.sdpa(), iters)
     bytes_us = step.kv_bytes() / bandwidth * 1e6
     flops = step.case.flops(config.num_heads, config.head_dim)
-    return (f"{engine_us:.1f} / {sdpa_us:.1f} ({engine_us / sdpa_us:.2f}x); K and V bytes "
-            f"{bytes_us:.1f} us; {flops / engine_us / 1e6:.0f} / {flops / sdpa_us / 1e6:.0f} "
-            f"TFLOP/s; max |difference| {error:.3f}")
+    lines = {"engine / SDPA flash, us": (
+        f"{engine_us:.1f} / {sdpa_us:.1f} ({engine_us / sdpa_us:.2f}x); K and V bytes "
+        f"{bytes_us:.1f} us; {flops / engine_us / 1e6:.0f} / {flops / sdpa_us / 1e6:.0f} "
+        f"TFLOP/s; max |difference| {error:.3f}")}
+    default = step.engine().clone()
+    for tall in talls:
+        exact = torch.equal(step.engine(tall), default)
+        tall_us = timed(partial(tall_engine, step, tall), iters)
+        lines[f"tall {tall}, us"] = (f"{tall_us:.1f} ({tall_us / sdpa_us:.2f}x flash, "
+                                     f"{tall_us / engine_us:.2f}x the default); the default's "
+                                     f"bits: {'yes' if exact else 'NO'}")
+    return lines
 
 
 @contextlib.contextmanager
@@ -241,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a model's config.json, for its heads (default: Qwen3-0.6B's)")
     parser.add_argument("--check", action="store_true",
                         help="compare the outputs in float32 and time nothing")
+    parser.add_argument("--tall", type=int, nargs="+", default=[], metavar="FACTOR",
+                        help="also time these tall factors for the prompt tokens (0: one "
+                             "launch of short tiles), beside the default")
     args = parser.parse_args(argv)
     config = ModelConfig.load(args.model_config) if args.model_config else ModelConfig.default()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -263,9 +287,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{case}: the engine's output is {error:.3g} from SDPA's")
         if args.check:
             figures[f"{case}: max |engine - SDPA|"] = f"{error:.2e}"
+            for tall in args.tall:
+                tall_error = step.error(tall)
+                if tall_error > limit:
+                    raise SystemExit(f"{case}: the engine's output with tall {tall} is "
+                                     f"{tall_error:.3g} from SDPA's")
+                figures[f"{case}: tall {tall}, max |engine - SDPA|"] = f"{tall_error:.2e}"
             continue
-        figures[f"{case}: engine / SDPA flash, us"] = timings(step, config, args.iters,
-                                                             bandwidth, error)
+        for name, line in timings(step, config, args.iters, bandwidth, error,
+                                  args.tall).items():
+            figures[f"{case}: {name}"] = line
         del step
         torch.cuda.empty_cache()
     record("attention_prefill", figures)

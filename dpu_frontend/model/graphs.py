@@ -26,8 +26,6 @@ parameters (top-k, top-p, penalties present or not).
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import numpy as np
 import torch
 
@@ -56,7 +54,8 @@ class StepGraph:
             self.views[name] = (self.inputs[offset:offset + nbytes]
                                 .view(torch.int64 if dtype == np.int64 else torch.int32)
                                 .view(shape_))
-        self.attn = Attention(**{f.name: self.views[f.name] for f in fields(Attention)})
+        # A decode graph's steps hold no prompt tokens: its attention is one launch.
+        self.attn = Attention.of(self.views, prompts=shape.samples is not None)
         # keep_graph: the cudaGraph_t stays for the GPU scheduler to instantiate for
         # device launch (model/gpu_scheduler.py).
         self.graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)

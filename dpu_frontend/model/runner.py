@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import fields
 
 import numpy as np
 import torch
@@ -202,5 +201,6 @@ class ModelRunner:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device)
 
-        attn = Attention(**{f.name: dev(getattr(step, f.name)) for f in fields(Attention)})
+        attn = Attention.of({name: dev(getattr(step, name)) for name in Attention.inputs()},
+                            prompts=not step.decode)
         return attn, self.slots.tokens[dev(step.slots), attn.positions], dev(step.sample_rows)

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from benchmarks.attention_prefill import PagedLayout, blocks_for
-from dpu_frontend.model.layers.attention import ATTN_ROWS, ATTN_STEP_PAGES, paged_attention
+from dpu_frontend.model.layers.attention import (
+    ATTN_ROWS,
+    ATTN_STEP_PAGES,
+    ATTN_TALL,
+    paged_attention,
+)
 from dpu_frontend.model.layers.quant import FP8
 
 pytestmark = pytest.mark.gpu
@@ -116,3 +121,24 @@ def test_a_sequence_alone_gives_its_bits_in_a_batch_of_512(step: int) -> None:
             alone.q.copy_(batch.rows(batch.q, position))
             assert torch.equal(alone.run(step_pages=step),
                                batch.rows(batch.run(step_pages=step), position)), (seq, position)
+
+
+#: The tall factors: the engine's, and the benchmark's candidates.
+TALLS = sorted({ATTN_TALL, 2, 4} - {0})
+
+
+@pytest.mark.parametrize("tall", TALLS, ids=lambda n: f"tall-{n}")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_tall_prompt_tiles_give_the_short_tiles_bits(fp8: bool, tall: int) -> None:
+    """The prompt chunks of a mixed step in tall tiles (a second launch) and the decodes
+    beside them in short ones: every row bit for bit one launch of short tiles, the rule
+    that lets a preempted sequence recompute as a prompt what it decoded. With prompts
+    of one token, a tile's worth and more, starting inside a chunk and crossing several,
+    tall runs of full and partial tiles, at 1-, 2- and 4-page steps."""
+    seqs = [*MIXED, (0, 4), (0, 5), (10, 16), (31, 17), (1500, 63), (4000, 130)]
+    for step in STEPS:
+        batch = Batch(seqs, torch.Generator(device="cuda").manual_seed(SEED + 3), fp8=fp8)
+        short, tall_out = batch.run(step_pages=step), batch.run(step_pages=step, tall=tall)
+        assert not tall_out.isnan().any()
+        for i, seq in enumerate(seqs):
+            assert torch.equal(batch.rows(tall_out, i), batch.rows(short, i)), (seq, step)

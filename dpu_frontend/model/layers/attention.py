@@ -10,7 +10,8 @@ chunks at fixed positions: both depend on the query alone, never on the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -43,6 +44,16 @@ ATTN_STEP_PAGES = 2
 #: The attention kernel's warps and pipeline stages (benchmarks/attention_tiles.py).
 ATTN_WARPS = 4
 ATTN_STAGES = 2
+#: Tall prompt tiles: a sequence with more query tokens than one tile holds (a prompt
+#: chunk) runs, in a second launch, tiles of this many short tiles' tokens (4: 64 rows at
+#: a group of 4), which read each key once for 4x the tokens; decodes keep their short
+#: tiles. 0: one launch of short tiles for every sequence. The tall tile must give each
+#: row the short tile's bits (a preempted sequence recomputes as a prompt what it had
+#: decoded): the H200 sweep of the seventh step found 64-row tiles exact, and
+#: tests/gpu/test_attention.py holds each factor to it. Off until that test and
+#: ``benchmarks.attention_prefill --tall`` have run on the step's default (docs/gpu.md,
+#: "Issue 24, eighth step").
+ATTN_TALL = 0
 
 
 @dataclass
@@ -57,6 +68,22 @@ class Attention:
     q_start: torch.Tensor  # [S] int32
     q_len: torch.Tensor  # [S] int32
     ctx_start: torch.Tensor  # [S] int32
+    #: The tall factor for the step's prompt tokens (``ATTN_TALL``); 0 for a step of
+    #: decodes alone, which needs no second launch. Not a tensor: fixed by the step's
+    #: family when a graph is captured.
+    tall: int = 0
+
+    @classmethod
+    def inputs(cls) -> list[str]:
+        """The tensor fields' names: those of the step's inputs it is made of."""
+        return [f.name for f in fields(cls) if f.name != "tall"]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], prompts: bool) -> Attention:
+        """The fields' tensors by name (a step's inputs, or a graph's views of them);
+        ``prompts``: the step may hold prompt tokens."""
+        return cls(**{name: tensors[name] for name in cls.inputs()},
+                   tall=ATTN_TALL if prompts else 0)
 
 
 @dataclass
@@ -90,13 +117,20 @@ def _paged_attention_kernel(
     stride_ph, stride_table, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
     PRECISION: tl.constexpr, SPLITS: tl.constexpr, CHUNK_PAGES: tl.constexpr,
-    STEP_PAGES: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    STEP_PAGES: tl.constexpr, FP8_KV: tl.constexpr, TILE_TOKENS: tl.constexpr,
+    TOKENS: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """One tile's softmax over its chunks s, s + SPLITS, ... (s: the split), unnormalized:
     per row the running max m, the sum l and the weighted values acc, into ``part``
     [tokens, heads, SPLITS, HEAD_DIM + 2] float32. An FP8 cache's keys and values are
     widened to q's dtype (exactly) for the MMAs, and their scales, one a token, applied
-    to the scores and to the softmax weights."""
+    to the scores and to the softmax weights.
+
+    The metadata's tiles hold ``TILE_TOKENS`` query tokens each; a program takes
+    ``TOKENS`` from its tile's first, in ``ROWS`` rows. ``PASS`` 0: every tile (TOKENS
+    = TILE_TOKENS). 1: the tiles of sequences that fit one tile (decodes). 2: the
+    others' (prompt chunks), tall: a program for each run of TOKENS // TILE_TOKENS
+    tiles, at its first tile, the others' programs idle."""
     dependent_start(PDL, EARLY)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,15 +140,20 @@ def _paged_attention_kernel(
     q_start = tl.load(q_start_ptr + seq)
     q_len = tl.load(q_len_ptr + seq)
     ctx_start = tl.load(ctx_start_ptr + seq)
-    last = ctx_start + tl.minimum(first + ROWS // GROUP, q_len) - 1  # the tile's largest position
+    last = ctx_start + tl.minimum(first + TOKENS, q_len) - 1  # the program's largest position
     chunks = last // (PAGE * CHUNK_PAGES) + 1
-    if split < chunks:
+    mine = split < chunks
+    if PASS == 1:
+        mine = mine & (q_len <= TILE_TOKENS)
+    elif PASS == 2:
+        mine = mine & (q_len > TILE_TOKENS) & (first % TOKENS == 0)
+    if mine:
         r = tl.arange(0, ROWS)
         token = first + r // GROUP
         head = kv_head * GROUP + r % GROUP
-        # A group that does not divide ROWS leaves rows past the tile's last token:
-        # they are the next tile's, whose keys this one may not hold.
-        valid = (token < q_len) & (r < (ROWS // GROUP) * GROUP)
+        # A group that does not divide ROWS leaves rows past the program's last token:
+        # they are the next one's, whose keys this one may not hold.
+        valid = (token < q_len) & (r < TOKENS * GROUP)
         pos = ctx_start + token  # the query's position: it sees keys 0..pos
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -202,7 +241,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     positions: torch.Tensor, out: torch.Tensor, *, rows: int = ATTN_ROWS,
                     warps: int = 0, stages: int = 0, splits: int = ATTN_SPLITS,
                     chunk_pages: int = ATTN_CHUNK_PAGES, step_pages: int = ATTN_STEP_PAGES,
-                    k_scale: torch.Tensor | None = None,
+                    tall: int = 0, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> None:
     """Causal attention of ``q`` [T, Hq, D] over the paged cache [blocks, Hkv, PAGE, D].
 
@@ -213,8 +252,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     token), one program per tile, KV head and split (``ATTN_SPLITS``), then one per
     query token and head merges the splits. ``rows`` is the tile's height;
     ``warps``, ``stages``, ``splits``, ``chunk_pages`` and ``step_pages`` override the
-    module's (benchmarks: other values give other bits). An FP8 cache comes with its scales,
-    ``k_scale`` and ``v_scale`` [blocks, Hkv, PAGE] (``KvCache``).
+    module's (benchmarks: other values give other bits). ``tall`` (``ATTN_TALL``,
+    ``Attention.tall``): the sequences of more than one tile run in a second launch,
+    ``tall`` tiles' tokens a program. An FP8 cache comes with its scales, ``k_scale``
+    and ``v_scale`` [blocks, Hkv, PAGE] (``KvCache``).
     """
     t, hq, dim = q.shape
     _, hkv, page, _ = k_cache.shape
@@ -229,16 +270,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part = torch.empty((t, hq, splits, dim + 2), dtype=torch.float32, device=q.device)
     # The scales' pointers, unused for a cache of the model dtype: any tensor.
     ks, vs = scales or (part, part)
-    _paged_attention_kernel[(tile_seq.shape[0], hkv, splits)](
-        q, k_cache, v_cache, ks, vs, part, tables, tile_seq, tile_row, q_start, q_len,
-        ctx_start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), ks.stride(0), ks.stride(1), part.stride(0), part.stride(1),
-        tables.stride(0), dim ** -0.5,
-        GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=rows, PRECISION=precision(q.dtype),
-        SPLITS=splits, CHUNK_PAGES=chunk_pages, STEP_PAGES=step_pages, FP8_KV=scales is not None,
-        **launch(q.device, (tile_seq.shape[0], hkv, splits)), num_warps=warps or ATTN_WARPS,
-        num_stages=stages or ATTN_STAGES,
-    )
+    grid = (tile_seq.shape[0], hkv, splits)
+    per_tile = rows // group
+    # (pass, tokens a program, its rows): one launch of short tiles, or with ``tall``
+    # the decodes' short tiles and then the prompts' tall ones.
+    passes = ([(0, per_tile, rows)] if not tall else
+              [(1, per_tile, rows),
+               (2, tall * per_tile, triton.next_power_of_2(tall * per_tile * group))])
+    for kind, tokens, height in passes:
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, ks, vs, part, tables, tile_seq, tile_row, q_start, q_len,
+            ctx_start, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), ks.stride(0), ks.stride(1), part.stride(0), part.stride(1),
+            tables.stride(0), dim ** -0.5,
+            GROUP=group, HEAD_DIM=dim, PAGE=page, ROWS=height, PRECISION=precision(q.dtype),
+            SPLITS=splits, CHUNK_PAGES=chunk_pages, STEP_PAGES=step_pages,
+            FP8_KV=scales is not None, TILE_TOKENS=per_tile, TOKENS=tokens, PASS=kind,
+            **launch(q.device, grid), num_warps=warps or ATTN_WARPS,
+            num_stages=stages or ATTN_STAGES,
+        )
     _merge_splits_kernel[(t, hq)](
         part, out, positions, part.stride(0), part.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=dim, SPLITS=splits, CHUNK=page * chunk_pages,

@@ -86,7 +86,7 @@ class Llama:
             o = torch.empty_like(q)
             paged_attention(q, k_cache[n], v_cache[n], attn.tables, attn.tile_seq, attn.tile_row,
                             attn.q_start, attn.q_len, attn.ctx_start, attn.positions, o,
-                            k_scale=k_scale, v_scale=v_scale)
+                            tall=attn.tall, k_scale=k_scale, v_scale=v_scale)
             h = self._reduce(linear(o.reshape(t, c.q_size), layer.o_proj,
                                     residual=self._residual(h)))
             h = self._reduce(self._mlp(layer, self._norm(h, layer.post_norm),
