@@ -11,8 +11,8 @@ output is bit for bit the reference tile's (``MOE_TILE``). A graph of ``--reps``
 launches draws another routing for each launch, so the experts read change from
 launch to launch as they do from layer to layer; the bound is the distinct experts'
 bytes of each launch over the copy bandwidth measured in the same run. The grouping
-is timed too: the one-kernel path and torch's, at every batch, to say where they
-meet.
+is timed too: the one-kernel path, torch's and the one spread over programs
+(``_group_spread``), at every batch, to say where they meet.
 
     python -m benchmarks.moe_tiles --batch 1 8 64 256 512
     python -m benchmarks.moe_tiles --model-config benchmarks/configs/qwen3-30b-a3b.json
@@ -107,7 +107,9 @@ def measure(config: ModelConfig, tokens: int, reps: int, iters: int, bandwidth: 
                                                                moe.MOE_BLOCK_M, blocks),
                             iters, reps),
         "torch": timed(lambda i: moe._group_with_torch(ids[i % reps], experts,
-                                                       moe.MOE_BLOCK_M, blocks), iters, reps)}
+                                                       moe.MOE_BLOCK_M, blocks), iters, reps),
+        "spread": timed(lambda i: moe._group_spread(ids[i % reps], experts,
+                                                    moe.MOE_BLOCK_M, blocks), iters, reps)}
     return result
 
 
@@ -115,9 +117,11 @@ def report(result: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     tokens = result["tokens"]
     lines = [f"T={tokens:>4} ({result['pairs']} pairs, {result['distinct_experts']:.1f} "
              f"experts a launch): grouping one kernel {result['group_us']['one kernel']:.1f} us,"
-             f" torch {result['group_us']['torch']:.1f} us"]
-    figures: dict[str, Any] = {f"T{tokens} grouping us (one kernel / torch)":
-                               "{one kernel:.1f} / {torch:.1f}".format(**result["group_us"])}
+             f" torch {result['group_us']['torch']:.1f} us,"
+             f" spread {result['group_us']['spread']:.1f} us"]
+    figures: dict[str, Any] = {f"T{tokens} grouping us (one kernel / torch / spread)":
+                               "{one kernel:.1f} / {torch:.1f} / {spread:.1f}".format(
+                                   **result["group_us"])}
     for name, times in result["tiles"].items():
         bound = result["bound_us"][name]
         exact = {t: v for t, v in times.items() if isinstance(v, float)}

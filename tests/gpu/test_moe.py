@@ -6,6 +6,7 @@ prints what it measured."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from dpu_frontend.model.layers.moe import (
     GROUP_ONE_KERNEL_PAIRS,
     MOE_BLOCK_M,
     _group_in_one_kernel,
+    _group_spread,
     _group_with_torch,
     group_by_expert,
     moe_mlp,
@@ -104,26 +106,31 @@ def test_pairs_are_grouped_by_expert_in_whole_blocks() -> None:
     print("grouping: every pair once, each block one expert's, in order, padding after")
 
 
-def test_the_grouping_kernel_is_torchs_sort() -> None:
-    """``_group_kernel`` (up to GROUP_ONE_KERNEL_PAIRS pairs) gives the tensors of the
-    torch path bit for bit: spread and skewed routing, and 60 experts (not a power of 2)."""
+def test_the_grouping_kernels_are_torchs_sort() -> None:
+    """``_group_kernel`` (up to GROUP_ONE_KERNEL_PAIRS pairs) and the grouping spread
+    over programs (``_group_spread``, at every size, a mixed step's 2,048 tokens among
+    them) give the tensors of the torch path bit for bit: spread and skewed routing,
+    60 experts (not a power of 2), the GEMM's 16- and 64-row blocks."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     cases = 0
     for experts, k in ((EXPERTS, TOP_K), (60, 4)):
-        for tokens in (1, 3, 16, 33, 256, GROUP_ONE_KERNEL_PAIRS // k):
+        for tokens in (1, 3, 16, 33, 256, GROUP_ONE_KERNEL_PAIRS // k, 2048):
             spread = torch.stack([torch.randperm(experts, generator=gen, device="cuda")[:k]
                                   for _ in range(tokens)]).int()
             skewed = torch.arange(k, device="cuda", dtype=torch.int32).repeat(tokens, 1)
-            for ids in (spread, skewed):
+            for ids, block_m in itertools.product((spread, skewed), (MOE_BLOCK_M, 64)):
                 n = ids.numel()
-                blocks = -(-n // MOE_BLOCK_M) + min(experts, n)
-                one = _group_in_one_kernel(ids, experts, MOE_BLOCK_M, blocks)
-                torchs = _group_with_torch(ids, experts, MOE_BLOCK_M, blocks)
-                assert torch.equal(one[0], torchs[0]) and torch.equal(one[1], torchs[1]), (
-                    experts, k, tokens)
+                blocks = -(-n // block_m) + min(experts, n)
+                torchs = _group_with_torch(ids, experts, block_m, blocks)
+                ways = [_group_spread(ids, experts, block_m, blocks)]
+                if n <= GROUP_ONE_KERNEL_PAIRS:
+                    ways.append(_group_in_one_kernel(ids, experts, block_m, blocks))
+                for pairs, block_expert in ways:
+                    assert torch.equal(pairs, torchs[0]) and torch.equal(
+                        block_expert, torchs[1]), (experts, k, tokens, block_m)
                 cases += 1
-    print(f"grouping kernel = torch's sort and scans in {cases} cases, up to "
-          f"{GROUP_ONE_KERNEL_PAIRS} pairs")
+    print(f"grouping kernels = torch's sort and scans in {cases} cases, the one kernel up "
+          f"to {GROUP_ONE_KERNEL_PAIRS} pairs, the spread one up to 16,384")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])

@@ -139,16 +139,25 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
     past that, torch's sort and scans. Both give the same tensors."""
     n = ids.numel()
     blocks = -(-n // block_m) + min(num_experts, n)
-    if n <= GROUP_ONE_KERNEL_PAIRS:
+    if n <= (GROUP_SPREAD_PAIRS or GROUP_ONE_KERNEL_PAIRS):
         return _group_in_one_kernel(ids, num_experts, block_m, blocks)
+    if GROUP_SPREAD_PAIRS:
+        return _group_spread(ids, num_experts, block_m, blocks)
     return _group_with_torch(ids, num_experts, block_m, blocks)
 
 
 #: The most (token, k) pairs grouped by ``_group_kernel`` (decode's 256 rows x 8): one
-#: program's work grows as pairs x experts, torch's dozen launches stay about flat.
-#: Where the two meet on a GPU is not measured yet.
+#: program's work grows as pairs x experts (70 us at 2,048 pairs, 11% of Qwen3-30B-A3B's
+#: step at 256 rows, H200), torch's dozen launches stay about flat (80-85 us).
 GROUP_ONE_KERNEL_PAIRS = 2048
 GROUP_CHUNK = 64
+#: Past this many pairs the grouping spreads over programs (``_group_spread``: three
+#: short launches whose work a program is one chunk's), and torch's path is not taken;
+#: None: one kernel up to GROUP_ONE_KERNEL_PAIRS, torch's past it. The three give the
+#: same tensors. None until ``benchmarks.moe_tiles`` has timed the spread grouping and
+#: ``tests/gpu/test_moe.py`` has held it to torch's on a GPU (docs/gpu.md, "Issue 25:
+#: the grouping spread over programs").
+GROUP_SPREAD_PAIRS: int | None = None
 
 
 @triton.jit
@@ -202,6 +211,98 @@ def _group_in_one_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
                         blocks, EXPERTS=num_experts,
                         E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
                         CHUNK=GROUP_CHUNK, **launch(ids.device, (1,)), num_warps=4)
+    return pairs, block_expert
+
+
+@triton.jit
+def _group_count_kernel(ids_ptr, rank_ptr, counts_ptr, pairs_ptr, n, slots, fill,
+                        E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+                        EARLY: tl.constexpr):
+    """Chunk c of the pairs (a program each): its count of pairs by expert, into row c of
+    ``counts`` [chunks, E_P2], and each pair's rank among its chunk's pairs of its
+    expert; and slots ``[c * fill, (c + 1) * fill)`` of ``pairs`` set to the padding
+    ``n``, which ``_group_place_kernel``, launched after, overwrites where a pair goes."""
+    dependent_start(PDL, EARLY)
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
+    onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+    before = tl.cumsum(onehot, 0) - onehot
+    tl.store(rank_ptr + i, tl.sum(onehot * before, axis=1), mask=i < n)
+    tl.store(counts_ptr + c * E_P2 + experts, tl.sum(onehot, axis=0))
+    for s0 in range(c * fill, tl.minimum((c + 1) * fill, slots), CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + s, tl.zeros((CHUNK,), dtype=tl.int32) + n,
+                 mask=(s < slots) & (s < (c + 1) * fill))
+
+
+@triton.jit
+def _group_offsets_kernel(counts_ptr, offsets_ptr, block_expert_ptr, chunks, num_blocks,
+                          EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """One program: each expert's total, its run's start (the runs padded to whole
+    blocks), each chunk's first place for each expert (its run's start plus the earlier
+    chunks' pairs of that expert), into ``offsets`` [chunks, E_P2], and each block's
+    expert, as ``_group_kernel`` takes them."""
+    dependent_start(PDL, EARLY)
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for c in range(0, chunks):
+        counts += tl.load(counts_ptr + c * E_P2 + experts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    placed = ends - padded
+    for c in range(0, chunks):
+        tl.store(offsets_ptr + c * E_P2 + experts, placed)
+        placed += tl.load(counts_ptr + c * E_P2 + experts)
+    real = experts < EXPERTS
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+@triton.jit
+def _group_place_kernel(ids_ptr, rank_ptr, offsets_ptr, pairs_ptr, n, E_P2: tl.constexpr,
+                        CHUNK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Chunk c of the pairs (a program each): each pair to its place, its chunk's first
+    place for its expert plus its rank there."""
+    dependent_start(PDL, EARLY)
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + i, mask=i < n, other=0)
+    place = tl.load(offsets_ptr + c * E_P2 + e, mask=i < n, other=0) + tl.load(
+        rank_ptr + i, mask=i < n, other=0)
+    tl.store(pairs_ptr + place, i, mask=i < n)
+
+
+def _group_spread(ids: torch.Tensor, num_experts: int, block_m: int,
+                  blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_group_kernel``'s tensors from three launches, a chunk of GROUP_CHUNK pairs a
+    program in the first and the last: counts and ranks by chunk, the offsets in one
+    program (a loop over the chunks, not over the pairs), the places."""
+    n = ids.numel()
+    device = ids.device
+    flat = ids.reshape(-1).to(torch.int32)
+    chunks = -(-n // GROUP_CHUNK)
+    e_p2 = triton.next_power_of_2(num_experts)
+    slots = blocks * block_m
+    pairs = torch.empty((slots,), dtype=torch.int32, device=device)
+    block_expert = torch.empty((blocks,), dtype=torch.int32, device=device)
+    rank = torch.empty((n,), dtype=torch.int32, device=device)
+    counts = torch.empty((chunks, e_p2), dtype=torch.int32, device=device)
+    offsets = torch.empty((chunks, e_p2), dtype=torch.int32, device=device)
+    fill = -(-slots // chunks)
+    _group_count_kernel[(chunks,)](flat, rank, counts, pairs, n, slots, fill, E_P2=e_p2,
+                                   CHUNK=GROUP_CHUNK, **launch(device, (chunks,)),
+                                   num_warps=4)
+    _group_offsets_kernel[(1,)](counts, offsets, block_expert, chunks, blocks,
+                                EXPERTS=num_experts, E_P2=e_p2, BLOCK_M=block_m,
+                                CHUNK=GROUP_CHUNK, **launch(device, (1,)), num_warps=4)
+    _group_place_kernel[(chunks,)](flat, rank, offsets, pairs, n, E_P2=e_p2,
+                                   CHUNK=GROUP_CHUNK, **launch(device, (chunks,)),
+                                   num_warps=4)
     return pairs, block_expert
 
 
