@@ -34,7 +34,6 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.tools.cpu_tensor_parallel import free_port
 
 #: cudaGraphNodeType's values (driver_types.h), by name.
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
@@ -154,13 +155,6 @@ def rank_main(rank: int, size: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(all_reports))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,7 +136,8 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
     Sizes depend on T and k alone (at most ``cdiv(T k, block_m) + min(experts, T k)``
     blocks), and nothing waits for the GPU, so a CUDA graph captures it. Up to
     ``GROUP_ONE_KERNEL_PAIRS`` pairs (decode, small mixed steps) one kernel does it all;
-    past that, torch's sort and scans. Both give the same tensors."""
+    past that, torch's sort and scans; where ``GROUP_SPREAD_PAIRS`` is set, past it the
+    grouping spread over programs instead. All give the same tensors."""
     n = ids.numel()
     blocks = -(-n // block_m) + min(num_experts, n)
     if n <= (GROUP_SPREAD_PAIRS or GROUP_ONE_KERNEL_PAIRS):
@@ -283,6 +284,8 @@ def _group_spread(ids: torch.Tensor, num_experts: int, block_m: int,
     program in the first and the last: counts and ranks by chunk, the offsets in one
     program (a loop over the chunks, not over the pairs), the places."""
     n = ids.numel()
+    if n == 0:  # no chunk to give a program
+        return _group_in_one_kernel(ids, num_experts, block_m, blocks)
     device = ids.device
     flat = ids.reshape(-1).to(torch.int32)
     chunks = -(-n // GROUP_CHUNK)
