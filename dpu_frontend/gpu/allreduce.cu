@@ -17,6 +17,12 @@
  * at a barrier before thread 0 signals, so that a peer that sees the flag sees
  * every thread's writes.
  *
+ * A wait past the patience given at create (a peer's kernel stopped) raises the
+ * rank's fault word, in its GPU memory, and copies the first fault into pinned
+ * host memory mapped for the GPU, which dpuf_ar_fault reads without a sync: the
+ * step's kernels end (with wrong sums) instead of spinning, and the host fails
+ * the step.
+ *
  * Build (no -rdc: no device runtime):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Xcompiler -fPIC -shared \
  *        dpu_frontend/gpu/allreduce.cu -o libdpuf_allreduce.so
@@ -62,6 +68,10 @@ struct dpuf_ar {
     uint32_t *epochs;  /* [blocks] */
     void *peer_buf[DPUF_AR_MAX_RANKS];
     uint32_t *peer_flags[DPUF_AR_MAX_RANKS];
+    uint32_t *fault;           /* this rank's fault word, GPU memory */
+    uint32_t *fault_host;      /* its first fault, pinned host memory ... */
+    uint32_t *fault_host_dev;  /* ... as the GPU reaches it */
+    uint64_t patience_ns;
     bool opened;
 };
 
@@ -77,6 +87,8 @@ static void ar_release(dpuf_ar *ar) {
     if (ar->buf) DPUF_NOTE(cudaFree(ar->buf));
     if (ar->flags) DPUF_NOTE(cudaFree(ar->flags));
     if (ar->epochs) DPUF_NOTE(cudaFree(ar->epochs));
+    if (ar->fault) DPUF_NOTE(cudaFree(ar->fault));
+    if (ar->fault_host) DPUF_NOTE(cudaFreeHost(ar->fault_host));
     free(ar);
 }
 
@@ -88,6 +100,11 @@ static int ar_setup(dpuf_ar *ar) {
     DPUF_CHECK(cudaMemset(ar->flags, 0, flag_bytes)); /* epoch 0: no call's (the first is 1) */
     DPUF_CHECK(cudaMalloc((void **)&ar->epochs, sizeof(uint32_t) * (size_t)ar->blocks));
     DPUF_CHECK(cudaMemset(ar->epochs, 0, sizeof(uint32_t) * (size_t)ar->blocks));
+    DPUF_CHECK(cudaMalloc((void **)&ar->fault, sizeof(uint32_t)));
+    DPUF_CHECK(cudaMemset(ar->fault, 0, sizeof(uint32_t)));
+    DPUF_CHECK(cudaHostAlloc((void **)&ar->fault_host, sizeof(uint32_t), cudaHostAllocMapped));
+    *(volatile uint32_t *)ar->fault_host = 0;
+    DPUF_CHECK(cudaHostGetDevicePointer((void **)&ar->fault_host_dev, ar->fault_host, 0));
     DPUF_CHECK(cudaDeviceSynchronize());
     ar->peer_buf[ar->rank] = ar->buf;
     ar->peer_flags[ar->rank] = ar->flags;
@@ -99,13 +116,16 @@ extern "C" {
 const char *dpuf_ar_last_error(void) { return g_last_error; }
 
 /* This rank's buffers on `device`: inputs of up to max_bytes, a grid of
- * `blocks`. NULL: the reason in dpuf_ar_last_error. */
-dpuf_ar *dpuf_ar_create(int32_t device, int32_t rank, int32_t ranks, uint64_t max_bytes, int32_t blocks) {
+ * `blocks`, a wait past patience_ns a stalled peer. NULL: the reason in
+ * dpuf_ar_last_error. */
+dpuf_ar *dpuf_ar_create(int32_t device, int32_t rank, int32_t ranks, uint64_t max_bytes, int32_t blocks,
+                        uint64_t patience_ns) {
     if (ranks < 1 || ranks > DPUF_AR_MAX_RANKS || rank < 0 || rank >= ranks)
         return set_error("rank %d of %d ranks (1 to %d)", rank, ranks, DPUF_AR_MAX_RANKS), (dpuf_ar *)NULL;
     if (blocks < 1 || blocks > AR_MAX_BLOCKS || max_bytes == 0 || max_bytes % 16)
         return set_error("%d blocks (1 to %d), max_bytes %llu (a multiple of 16)", blocks, AR_MAX_BLOCKS,
                          (unsigned long long)max_bytes), (dpuf_ar *)NULL;
+    if (patience_ns == 0) return set_error("a patience of 0 ns: every wait a fault"), (dpuf_ar *)NULL;
     dpuf_ar *ar = (dpuf_ar *)calloc(1, sizeof *ar);
     if (ar == NULL) return set_error("out of host memory"), (dpuf_ar *)NULL;
     ar->device = device;
@@ -113,6 +133,7 @@ dpuf_ar *dpuf_ar_create(int32_t device, int32_t rank, int32_t ranks, uint64_t ma
     ar->ranks = ranks;
     ar->blocks = blocks;
     ar->max_bytes = max_bytes;
+    ar->patience_ns = patience_ns;
     if (ar_setup(ar) != 0) {
         char why[sizeof g_last_error];
         memcpy(why, g_last_error, sizeof why);
@@ -184,12 +205,19 @@ int dpuf_ar_run(dpuf_ar *ar, const void *in, void *out, int64_t n, int32_t dtype
     ar_args a;
     /* The epoch is the kernel's, from a.epochs: 0 here. */
     a.call = dpuf_ar_call_of(ar->rank, ar->ranks, dtype, two_shot, n, ar->blocks, 0, ar->peer_buf, ar->peer_flags,
-                             out);
+                             out, ar->fault, ar->fault_host_dev, ar->patience_ns);
     a.epochs = ar->epochs;
     if (bytes) DPUF_CHECK(cudaMemcpyAsync(ar->buf, in, bytes, cudaMemcpyDeviceToDevice, s));
     allreduce_kernel<<<ar->blocks, AR_THREADS, 0, s>>>(a);
     DPUF_CHECK(cudaGetLastError());
     return 0;
+}
+
+/* The rank's first fault (allreduce.h's DPUF_AR_FAULT | phase << 8 | peer), 0
+ * for none: read from host memory, no sync. Once raised it stays. */
+uint32_t dpuf_ar_fault(dpuf_ar *ar) {
+    if (ar == NULL) return 0;
+    return __atomic_load_n(ar->fault_host, __ATOMIC_ACQUIRE);
 }
 
 void dpuf_ar_destroy(dpuf_ar *ar) {

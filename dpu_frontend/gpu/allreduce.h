@@ -31,6 +31,13 @@
  * A block waits only for the same block of the other ranks, on other devices:
  * no block waits for another of its own grid, so a grid need not be resident
  * at once.
+ *
+ * A stalled rank (its kernel stopped, its process hung) never hangs the others:
+ * a wait that lasts past the call's patience gives up and raises the rank's
+ * fault word (DPUF_AR_FAULT, the phase and the peer waited for; the first one
+ * stays), and from then on this rank's waits return at once, so its calls end,
+ * with wrong sums. The caller reads the word (the host a mapped copy, after its
+ * step) and fails the step: a fault is for good, the group is not used again.
  */
 #ifndef DPUF_ALLREDUCE_H
 #define DPUF_ALLREDUCE_H
@@ -45,6 +52,8 @@
 
 #define DPUF_AR_MAX_RANKS 8
 #define DPUF_AR_PHASES 3
+/* A fault word: 0, or DPUF_AR_FAULT | phase << 8 | the peer waited for. */
+#define DPUF_AR_FAULT 0x80000000u
 enum { DPUF_AR_READY = 0, DPUF_AR_MID = 1, DPUF_AR_DONE = 2 };
 enum { DPUF_AR_F32 = 0, DPUF_AR_BF16 = 1 };
 
@@ -59,12 +68,15 @@ typedef struct dpuf_ar_call {
     void *buf[DPUF_AR_MAX_RANKS];        /* every rank's input, as this rank reaches it */
     uint32_t *flags[DPUF_AR_MAX_RANKS];  /* every rank's signal words, likewise */
     void *out;            /* this rank's result, n elements */
+    uint32_t *fault;      /* this rank's fault word, shared by its blocks */
+    uint32_t *fault_copy; /* where the first fault is copied for the host to read, or 0 */
+    uint64_t patience_ns; /* a wait longer than this is a stalled peer */
 } dpuf_ar_call;
 
 /* Rank `rank`'s call over every rank's buffers and flags (as it reaches them). */
 DPUF_AR_FN dpuf_ar_call dpuf_ar_call_of(int32_t rank, int32_t ranks, int32_t dtype, int32_t two_shot, int64_t n,
                                         int32_t blocks, uint32_t epoch, void *const *bufs, uint32_t *const *flags,
-                                        void *out) {
+                                        void *out, uint32_t *fault, uint32_t *fault_copy, uint64_t patience_ns) {
     dpuf_ar_call c;
     c.rank = rank;
     c.ranks = ranks;
@@ -78,6 +90,9 @@ DPUF_AR_FN dpuf_ar_call dpuf_ar_call_of(int32_t rank, int32_t ranks, int32_t dty
         c.flags[q] = q < ranks ? flags[q] : 0;
     }
     c.out = out;
+    c.fault = fault;
+    c.fault_copy = fault_copy;
+    c.patience_ns = patience_ns;
     return c;
 }
 
@@ -155,6 +170,13 @@ DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) {
     return v;
 }
 #define DPUF_AR_PAUSE() __nanosleep(100)
+DPUF_AR_FN uint64_t dpuf_ar_now_ns(void) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* The first fault wins the word; its raiser copies it for the host. */
+DPUF_AR_FN uint32_t dpuf_ar_raise_first(uint32_t *fault, uint32_t code) { return atomicCAS(fault, 0u, code); }
 #else
 #include <sched.h>
 #include <time.h>
@@ -162,19 +184,24 @@ DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) {
 DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 /* The host build's ranks are threads that may outnumber the cores. */
 #define DPUF_AR_PAUSE() sched_yield()
-/* The host build's tests end rather than hang where a call's flags are lost (a
- * broken protocol): a wait past this many seconds gives up, and says so here. */
-#define DPUF_AR_HOST_PATIENCE_S 10
-static int dpuf_ar_host_gave_up;
-DPUF_AR_FN int dpuf_ar_host_impatient(const struct timespec *since) {
-    if (__atomic_load_n(&dpuf_ar_host_gave_up, __ATOMIC_RELAXED)) return 1; /* one gave up: all do */
+DPUF_AR_FN uint64_t dpuf_ar_now_ns(void) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    if (now.tv_sec - since->tv_sec < DPUF_AR_HOST_PATIENCE_S) return 0;
-    __atomic_store_n(&dpuf_ar_host_gave_up, 1, __ATOMIC_RELAXED);
-    return 1;
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+DPUF_AR_FN uint32_t dpuf_ar_raise_first(uint32_t *fault, uint32_t code) {
+    uint32_t was = 0;
+    __atomic_compare_exchange_n(fault, &was, code, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    return was;
 }
 #endif
+
+/* A stall: the rank's fault word raised, if no fault came first (and the first
+ * one copied for the host). */
+DPUF_AR_FN void dpuf_ar_raise(const dpuf_ar_call *c, int32_t phase, int32_t peer) {
+    const uint32_t code = DPUF_AR_FAULT | (uint32_t)phase << 8 | (uint32_t)peer;
+    if (dpuf_ar_raise_first(c->fault, code) == 0 && c->fault_copy) DPUF_AR_STORE_RELEASE(c->fault_copy, code);
+}
 
 /* One thread of the block: `epoch` into word [phase][block][rank] of every
  * rank's flags. The block's writes before it (every thread's, after the
@@ -185,19 +212,19 @@ DPUF_AR_FN void dpuf_ar_signal(const dpuf_ar_call *c, int32_t phase, int32_t blo
 }
 
 /* One thread of the block: wait until every rank's block `block` has signalled
- * `phase` of this call (its words in this rank's flags hold the epoch). */
+ * `phase` of this call (its words in this rank's flags hold the epoch); past the
+ * call's patience, or once this rank has a fault, no longer. */
 DPUF_AR_FN void dpuf_ar_wait(const dpuf_ar_call *c, int32_t phase, int32_t block) {
     const uint32_t *own = c->flags[c->rank];
-#ifndef __CUDA_ARCH__
-    struct timespec since;
-    clock_gettime(CLOCK_MONOTONIC, &since);
-#endif
+    const uint64_t since = dpuf_ar_now_ns();
     for (int32_t q = 0; q < c->ranks; q++)
         while (dpuf_ar_load_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) {
+            if (dpuf_ar_load_acquire(c->fault) != 0) return; /* a stall seen already: no more waits */
+            if (dpuf_ar_now_ns() - since > c->patience_ns) {
+                dpuf_ar_raise(c, phase, q);
+                return;
+            }
             DPUF_AR_PAUSE();
-#ifndef __CUDA_ARCH__
-            if (dpuf_ar_host_impatient(&since)) return;
-#endif
         }
 }
 

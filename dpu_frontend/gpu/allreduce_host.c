@@ -34,13 +34,22 @@ static void *run_block(void *arg) {
     return NULL;
 }
 
+/* Whether any of the ranks' fault words is raised. */
+static int any_fault(const uint32_t *faults, int32_t ranks) {
+    for (int32_t r = 0; r < ranks; r++)
+        if (__atomic_load_n(&faults[r], __ATOMIC_ACQUIRE) != 0) return 1;
+    return 0;
+}
+
 /* One call over `ranks` ranks: rank r's input in bufs[r], its signal words in
  * flags[r] (dpuf_ar_flag_words of them, left as the last call left them), its
- * result into outs[r]. 0; -1 for a shape it does not take; -2 where a block
- * waited past DPUF_AR_HOST_PATIENCE_S for the others (the results are then
- * wrong). */
+ * fault word faults[r] (likewise), its result into outs[r]; a wait past
+ * patience_ns raises a fault. Rank `absent` (-1: none) runs no block, as a rank
+ * whose kernel stopped. 0; -1 for a shape it does not take; -2 where a rank's
+ * fault word is raised (the results are then wrong). */
 EXPORT int dpuf_ar_host_run(int32_t ranks, int32_t dtype, int32_t two_shot, int64_t n, int32_t blocks,
-                            uint32_t epoch, void **bufs, uint32_t **flags, void **outs) {
+                            uint32_t epoch, void **bufs, uint32_t **flags, void **outs, uint32_t *faults,
+                            uint64_t patience_ns, int32_t absent) {
     if (ranks < 1 || ranks > DPUF_AR_MAX_RANKS || blocks < 1) return -1;
     const int32_t count = ranks * blocks;
     worker *workers = calloc((size_t)count, sizeof *workers);
@@ -51,18 +60,20 @@ EXPORT int dpuf_ar_host_run(int32_t ranks, int32_t dtype, int32_t two_shot, int6
         return -1;
     }
     for (int32_t k = 0; k < count; k++) {
-        workers[k].call = dpuf_ar_call_of(k / blocks, ranks, dtype, two_shot, n, blocks, epoch, bufs, flags,
-                                          outs[k / blocks]);
+        const int32_t r = k / blocks;
+        workers[k].call = dpuf_ar_call_of(r, ranks, dtype, two_shot, n, blocks, epoch, bufs, flags, outs[r],
+                                          &faults[r], NULL, patience_ns);
         workers[k].block = k % blocks;
     }
     for (int32_t k = 0; k < count; k++)
-        /* A block that cannot start leaves its peers waiting for it forever: the
-         * test's process ends rather than hangs. */
-        if (pthread_create(&threads[k], NULL, run_block, &workers[k]) != 0) abort();
-    for (int32_t k = 0; k < count; k++) pthread_join(threads[k], NULL);
+        /* A block that cannot start leaves its peers waiting for it: the test's
+         * process ends rather than waits out their patience. */
+        if (k / blocks != absent && pthread_create(&threads[k], NULL, run_block, &workers[k]) != 0) abort();
+    for (int32_t k = 0; k < count; k++)
+        if (k / blocks != absent) pthread_join(threads[k], NULL);
     free(workers);
     free(threads);
-    return __atomic_exchange_n(&dpuf_ar_host_gave_up, 0, __ATOMIC_RELAXED) ? -2 : 0;
+    return any_fault(faults, ranks) ? -2 : 0;
 }
 
 typedef struct rank_stream {
@@ -74,6 +85,8 @@ typedef struct rank_stream {
     const uint8_t *inputs; /* [calls][ranks][n] */
     uint8_t *outs;         /* [calls][ranks][n] */
     uint32_t seed;
+    uint32_t *fault;
+    uint64_t patience_ns;
 } rank_stream;
 
 /* One rank's stream, as a GPU's stream runs it: each call's input copied into
@@ -91,7 +104,8 @@ static void *run_stream(void *arg) {
         for (int32_t b = 0; b < rs->blocks; b++) {
             workers[b].call = dpuf_ar_call_of(rs->rank, rs->ranks, rs->dtype, k % 2, rs->n, rs->blocks,
                                               (uint32_t)k + 1u, rs->bufs, rs->flags,
-                                              rs->outs + ((size_t)k * rs->ranks + rs->rank) * bytes);
+                                              rs->outs + ((size_t)k * rs->ranks + rs->rank) * bytes, rs->fault,
+                                              NULL, rs->patience_ns);
             workers[b].block = b;
             workers[b].seed = rs->seed ? rs->seed + (uint32_t)b + 1u : 0;
             if (pthread_create(&threads[b], NULL, run_block, &workers[b]) != 0) abort();
@@ -105,24 +119,37 @@ static void *run_stream(void *arg) {
 
 /* `calls` calls on every rank, alternating one-shot and two-shot, each rank on a
  * stream of its own that drifts from the others' (seed 0: none): a rank may
- * start its next call while another is still in this one. The buffers and flags
- * are made here, zeroed. 0, -1 or -2 as dpuf_ar_host_run's. */
+ * start its next call while another is still in this one. The buffers, flags
+ * and fault words are made here, zeroed. 0, -1 or -2 as dpuf_ar_host_run's. */
 EXPORT int dpuf_ar_host_stream(int32_t ranks, int32_t dtype, int64_t n, int32_t blocks, int32_t calls,
-                               const void *inputs, void *outs, uint32_t seed) {
+                               const void *inputs, void *outs, uint32_t seed, uint64_t patience_ns) {
     if (ranks < 1 || ranks > DPUF_AR_MAX_RANKS || blocks < 1 || calls < 0 || n < 0) return -1;
     const size_t width = dtype == DPUF_AR_BF16 ? 2 : 4;
     void *bufs[DPUF_AR_MAX_RANKS];
     uint32_t *flags[DPUF_AR_MAX_RANKS];
     rank_stream streams[DPUF_AR_MAX_RANKS];
     pthread_t threads[DPUF_AR_MAX_RANKS];
+    uint32_t faults[DPUF_AR_MAX_RANKS] = {0};
     for (int32_t r = 0; r < ranks; r++) {
         bufs[r] = calloc((size_t)n + 1, width);
         flags[r] = calloc((size_t)dpuf_ar_flag_words(blocks, ranks), sizeof(uint32_t));
         if (bufs[r] == NULL || flags[r] == NULL) abort();
     }
     for (int32_t r = 0; r < ranks; r++) {
-        streams[r] = (rank_stream){r, ranks, dtype, blocks, calls, n, width, bufs, flags,
-                                   (const uint8_t *)inputs, (uint8_t *)outs, seed ? seed * 977u + (uint32_t)r : 0};
+        streams[r] = (rank_stream){r,
+                                   ranks,
+                                   dtype,
+                                   blocks,
+                                   calls,
+                                   n,
+                                   width,
+                                   bufs,
+                                   flags,
+                                   (const uint8_t *)inputs,
+                                   (uint8_t *)outs,
+                                   seed ? seed * 977u + (uint32_t)r : 0,
+                                   &faults[r],
+                                   patience_ns};
         if (pthread_create(&threads[r], NULL, run_stream, &streams[r]) != 0) abort();
     }
     for (int32_t r = 0; r < ranks; r++) pthread_join(threads[r], NULL);
@@ -130,5 +157,5 @@ EXPORT int dpuf_ar_host_stream(int32_t ranks, int32_t dtype, int64_t n, int32_t 
         free(bufs[r]);
         free(flags[r]);
     }
-    return __atomic_exchange_n(&dpuf_ar_host_gave_up, 0, __ATOMIC_RELAXED) ? -2 : 0;
+    return any_fault(faults, ranks) ? -2 : 0;
 }

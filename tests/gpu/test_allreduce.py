@@ -3,9 +3,10 @@
 equal ``GatheredGroup``'s (NCCL's all-gather, then the rank-order sum) for bfloat16 and
 float32 messages from one element to 4 MiB, one-shot and two-shot, eager, back to
 back with each rank pausing at random (one ahead starts the next call while another
-still reads), and replayed from a CUDA graph (the epochs live in GPU memory, so a
-replay is a new call). Needs a
-machine with 2 GPUs (4 for the 4-rank case); ``CUDA_VISIBLE_DEVICES`` as it comes."""
+still reads), replayed from a CUDA graph (the epochs live in GPU memory, so a
+replay is a new call); and a stalled rank ends the others' calls with a fault that
+names it. Needs a machine with 2 GPUs (4 for the 4-rank case); ``CUDA_VISIBLE_DEVICES``
+as it comes."""
 
 from __future__ import annotations
 
@@ -117,3 +118,38 @@ def test_the_peer_memory_all_reduce_gives_the_gathered_sums_bits(size: int) -> N
     print(f"{size} ranks: the peer-memory all-reduce gave the gathered rank-order sum's "
           f"bits for {2 * len(SIZES)} messages, {DRIFTING} drifting back-to-back calls and "
           f"{REPLAYS} graph replays of a one-shot and a two-shot call")
+
+
+def stalled_rank_main(rank: int, size: int, port: int, library: str, result: Any) -> None:
+    """Rank 1 makes no call (its kernel stopped, as it were): rank 0's call ends in its
+    patience, and its fault word names rank 1 at READY; rank 1, which waited for no one,
+    has none. (The host build's tests hold the rest: the fault stays, every rank's.)"""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        peer = PeerMemoryGroup(Path(library), MAX_BYTES, patience_s=0.5)
+        x = torch.ones(4099, device="cuda", dtype=torch.bfloat16)
+        if rank != 1:
+            peer.all_reduce(x)
+        torch.cuda.synchronize()  # ends: a stalled peer no longer hangs the call
+        result[rank] = peer.fault()
+        dist.barrier()
+        peer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_rank_ends_the_others_calls_with_its_name() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"2 ranks need 2 GPUs; this machine has {torch.cuda.device_count()}")
+    library = str(build(default_build_dir(), ALLREDUCE, arch="sm_90"))
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(stalled_rank_main, args=(2, free_port(), library, result), nprocs=2)
+        assert dict(result) == {
+            0: "rank 0's all-reduce waited past its patience for rank 1 at READY: that "
+               "rank's kernel stopped or stalls",
+            1: None}

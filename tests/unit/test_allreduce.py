@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpu_frontend.gpu.allreduce import HostAllReduce
+from dpu_frontend.gpu.allreduce import FAULT, HostAllReduce, Stalled, describe_fault
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,43 @@ def test_a_shape_it_does_not_take_is_refused(build_dir: Path) -> None:
     ar = HostAllReduce.build(build_dir, 2, 4, "float32", 1)
     with pytest.raises(ValueError, match="2 inputs of 16 bytes"):
         ar([b"\0" * 16], two_shot=False)
+
+
+@pytest.mark.parametrize("two_shot", [False, True], ids=["one-shot", "two-shot"])
+def test_a_stalled_rank_ends_the_others_calls_with_a_fault_that_names_it(
+        build_dir: Path, two_shot: bool) -> None:
+    """Rank 1 of 3 runs no block (its kernel stopped): the others wait for its READY no
+    longer than their patience, raise their fault words naming it and the phase, and
+    their calls end (``Stalled``), rather than hang. The fault stays: the next call,
+    with every rank there, still fails at once on those ranks, and rank 1 has none."""
+    rng = np.random.default_rng(11)
+    ar = HostAllReduce.build(build_dir, 3, 64, "float32", 2, patience_s=0.2)
+    inputs = [values(rng, 64, "float32").tobytes() for _ in range(3)]
+    with pytest.raises(Stalled) as stalled:
+        ar(inputs, two_shot=two_shot, absent=1)
+    want = [f"rank {r}'s all-reduce waited past its patience for rank 1 at READY: that "
+            "rank's kernel stopped or stalls" for r in (0, 2)]
+    assert stalled.value.faults == [want[0], None, want[1]]
+    assert ar.faults() == [want[0], None, want[1]]
+    with pytest.raises(Stalled) as again:
+        ar(inputs, two_shot=two_shot)
+    assert again.value.faults == [want[0], None, want[1]]
+
+
+def test_every_rank_there_raises_no_fault_even_with_little_patience(build_dir: Path) -> None:
+    """A patience of 50 ms over 100 drifting calls (pauses of up to 200 us): no wait is
+    taken for a stall, every sum is right."""
+    rng = np.random.default_rng(12)
+    ar = HostAllReduce.build(build_dir, 4, 100, "bfloat16", 3, patience_s=0.05)
+    calls = [[values(rng, 100, "bfloat16") for _ in range(4)] for _ in range(100)]
+    got = ar.stream([[x.tobytes() for x in call] for call in calls], seed=5)
+    assert all(got[k] == [rank_order_sum(call, "bfloat16")] * 4 for k, call in enumerate(calls))
+    assert ar.faults() == [None] * 4
+
+
+def test_a_fault_word_reads_as_what_raised_it() -> None:
+    assert describe_fault(0, 0) is None
+    assert describe_fault(2, FAULT | 2 << 8 | 3) == (
+        "rank 2's all-reduce waited past its patience for rank 3 at DONE: that rank's kernel "
+        "stopped or stalls")
+    assert describe_fault(1, 7) == "rank 1's all-reduce fault word holds 0x7, no fault it raises"

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dpu_frontend.errors import StartupError
-from dpu_frontend.gpu.allreduce import PeerMemoryLibrary
+from dpu_frontend.gpu.allreduce import PATIENCE_S, PeerMemoryLibrary, describe_fault
 
 
 class TensorGroup(Protocol):
@@ -86,7 +86,10 @@ class PeerMemoryGroup(GatheredGroup):
     order, as with any collective, on one stream at a time (one staging buffer). Every
     rank must take the same settings (checked here: a different grid or bound would
     leave blocks waiting for words no rank writes), and a rank that cannot map the
-    others' memory fails the group's start on every rank, never leaving them waiting."""
+    others' memory fails the group's start on every rank, never leaving them waiting.
+    A rank that stalls (its kernel stopped) leaves the others' calls waiting no longer
+    than ``patience_s``: they end with wrong sums and ``fault()`` says why; the step
+    that ran them is to be failed, and the group not used again."""
 
     #: One-shot below this: each rank reads every rank's whole input, one phase less.
     ONE_SHOT_BYTES: ClassVar[int] = 256 << 10
@@ -94,12 +97,13 @@ class PeerMemoryGroup(GatheredGroup):
                                                  torch.bfloat16: "bfloat16"}
 
     def __init__(self, library: Path, max_bytes: int, blocks: int = 16,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, patience_s: float = PATIENCE_S) -> None:
         super().__init__(group)
         self.max_bytes = max_bytes
         self.device = torch.cuda.current_device()
         self.lib = PeerMemoryLibrary.load(library)
-        self.handle = self.lib.create(self.device, self.rank, self.size, max_bytes, blocks)
+        self.handle = self.lib.create(self.device, self.rank, self.size, max_bytes, blocks,
+                                      patience_s)
         settings = (blocks, max_bytes, self.ONE_SHOT_BYTES)
         everyone: list[Any] = [None] * self.size
         dist.all_gather_object(everyone, (settings, self.lib.handles(self.handle)), group=group)
@@ -128,6 +132,11 @@ class PeerMemoryGroup(GatheredGroup):
         self.lib.run(self.handle, x.data_ptr(), out.data_ptr(), x.numel(), name,
                      x.nbytes > self.ONE_SHOT_BYTES, torch.cuda.current_stream(x.device).cuda_stream)
         return out
+
+    def fault(self) -> str | None:
+        """Why this rank's calls stopped waiting for a peer (a stalled rank), or None:
+        read without a sync, so a step's end can check it."""
+        return describe_fault(self.rank, self.lib.fault(self.handle))
 
     def close(self) -> None:
         """The buffers freed and the peers' unmapped, once every rank's calls are done
