@@ -321,6 +321,9 @@ def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
         f"{name}: engine steps, mean sampled / scheduled tokens":
             f"{run.steps:.0f}, {run.sampled / steps:.0f} / {run.scheduled / steps:.0f}",
     }
+    if "sum_running" in d:  # peers before these counters lack them
+        figures[f"{name}: per step, mean running / waiting sequences"] = (
+            f"{d['sum_running'] / steps:.0f} / {d['sum_waiting'] / steps:.0f}")
     if gpu:
         ms = {k: round(d[f"ns_{k}"] / 1e6 / steps, 3)
               for k in ("publish", "intake", "schedule", "prepare")}
@@ -329,6 +332,9 @@ def engine_figures(name: str, config: ModelConfig, before: Mapping[str, Any],
                                 f"{ms['intake']} + {ms['schedule']} + {ms['prepare']})")
         figures[f"{name}: GPU scheduler idle (passes with nothing to run), s"] = round(
             d["ns_idle"] / 1e9, 3)
+        if "ns_idle_waiting" in d:
+            figures[f"{name}: of which with sequences waiting (none could run), s"] = round(
+                d["ns_idle_waiting"] / 1e9, 3)
     else:
         per = {k: round(d[k] / steps * 1e3, 2)
                for k in ("engine_s", "launch_s", "wait_s", "judge_s", "loop_s")}

@@ -217,6 +217,8 @@ class ModelEngine:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.tokens
             self.stats.context_tokens += sum(w.start + w.count for w in batch.works)
+            self.stats.sum_running += len(self.scheduler.running)
+            self.stats.sum_waiting += len(self.scheduler.waiting)
         if drawn is None:
             return None
         totals = [seq.total for seq in sampled]  # with this step's token

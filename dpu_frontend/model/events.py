@@ -44,6 +44,11 @@ class EngineStats:
     constrained: int = 0
     automata_copied: int = 0
     automata_evicted: int = 0
+    #: After each step's schedule, the sequences running and those still waiting,
+    #: summed over the steps (their means a step: these over ``steps``): a batch smaller
+    #: than the pool allows while sequences wait is a scheduling gap, not the load's.
+    sum_running: int = 0
+    sum_waiting: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -95,7 +95,7 @@ def test_a_decode_steps_bytes_and_blocks(qwen3_8b: ModelConfig) -> None:
 def host_report(**values: float) -> dict[str, Any]:
     """The host engine's ``kernel`` report: ``EngineStats`` and the loop's times."""
     keys = ("steps", "tokens", "scheduled_tokens", "context_tokens", "launch_s", "wait_s",
-            "gpu_s", "judge_s", "engine_s", "loop_s")
+            "gpu_s", "judge_s", "engine_s", "loop_s", "sum_running", "sum_waiting")
     return {k: values.get(k, 0) for k in keys}
 
 
@@ -112,25 +112,31 @@ def gpu_report(**values: int) -> dict[str, Any]:
 
 
 #: One run's figures, whichever scheduler counted it: 1,000 steps of 200 drawn and 250
-#: scheduled tokens, 80,000 positions read a step, 6 ms of GPU time a step.
+#: scheduled tokens, 80,000 positions read a step, 6 ms of GPU time a step, 230
+#: sequences running and 12 waiting a step.
 HOST_BEFORE = host_report(steps=100, tokens=1000, scheduled_tokens=1500, context_tokens=2e5,
                           launch_s=1.0, wait_s=2.0, gpu_s=2.5, judge_s=0.5, engine_s=3.6,
-                          loop_s=0.2)
+                          loop_s=0.2, sum_running=1000, sum_waiting=0)
 HOST_AFTER = host_report(steps=1100, tokens=201_000, scheduled_tokens=251_500,
                          context_tokens=80.2e6, launch_s=3.0, wait_s=7.0, gpu_s=8.5,
-                         judge_s=1.5, engine_s=11.6, loop_s=0.7)
+                         judge_s=1.5, engine_s=11.6, loop_s=0.7, sum_running=231_000,
+                         sum_waiting=12_000)
 GPU_BEFORE = gpu_report(steps=100, tokens=1500, sampled=1000, context_tokens=200_000,
-                        ns_step=2_500_000_000, ns_idle=7_000_000_000, running=3, free_blocks=90)
+                        ns_step=2_500_000_000, ns_idle=7_000_000_000, running=3, free_blocks=90,
+                        sum_running=1000, ns_idle_waiting=1_000_000_000)
 GPU_AFTER = gpu_report(steps=1100, tokens=251_500, sampled=201_000, context_tokens=80_200_000,
                        ns_step=8_500_000_000, ns_publish=100_000_000, ns_intake=50_000_000,
                        ns_schedule=20_000_000, ns_prepare=30_000_000, ns_idle=8_500_000_000,
-                       running=250, free_blocks=10, preemptions=2)
+                       running=250, free_blocks=10, preemptions=2, sum_running=231_000,
+                       sum_waiting=12_000, ns_idle_waiting=1_250_000_000)
 STEPS = "rate: engine steps, mean sampled / scheduled tokens"
 GPU_TIME = "rate: per step, ms: GPU time"
 BOUND = "rate: bound of the run's own steps (weights + KV read each step), output tokens/s"
 HOST_WORK = "rate: per step, ms: engine (launch + wait for tokens + judge) / loop between steps"
 GPU_PASS = ("rate: per step, ms: GPU scheduler's pass (publish + intake + schedule + prepare)")
 GPU_IDLE = "rate: GPU scheduler idle (passes with nothing to run), s"
+GPU_IDLE_WAITING = "rate: of which with sequences waiting (none could run), s"
+OCCUPANCY = "rate: per step, mean running / waiting sequences"
 
 
 def test_host_counters_give_the_figures(qwen3_8b: ModelConfig) -> None:
@@ -141,6 +147,7 @@ def test_host_counters_give_the_figures(qwen3_8b: ModelConfig) -> None:
         HOST_WORK: "8.0 (2.0 + 5.0 + 1.0) / 0.5",
         GPU_TIME: 6.0,
         BOUND: f"{own:.0f} (the output rate is {14_000 / own:.2f} of it)",
+        OCCUPANCY: "230 / 12",
     }
 
 
@@ -149,11 +156,20 @@ def test_gpu_scheduler_counters_give_the_same_figures(qwen3_8b: ModelConfig) -> 
     names: ``tokens`` through the model, ``sampled`` drawn, ns of the GPU's clock."""
     host = engine_figures("rate", qwen3_8b, HOST_BEFORE, HOST_AFTER, 14_000.0, BANDWIDTH)
     gpu = engine_figures("rate", qwen3_8b, GPU_BEFORE, GPU_AFTER, 14_000.0, BANDWIDTH)
-    assert {k: gpu[k] for k in (STEPS, GPU_TIME, BOUND)} == {
-        k: host[k] for k in (STEPS, GPU_TIME, BOUND)}
+    assert {k: gpu[k] for k in (STEPS, GPU_TIME, BOUND, OCCUPANCY)} == {
+        k: host[k] for k in (STEPS, GPU_TIME, BOUND, OCCUPANCY)}
     assert gpu[GPU_PASS] == "0.2 (0.1 + 0.05 + 0.02 + 0.03)"
-    assert gpu[GPU_IDLE] == 1.5
-    assert set(gpu) == {STEPS, GPU_TIME, BOUND, GPU_PASS, GPU_IDLE}
+    assert (gpu[GPU_IDLE], gpu[GPU_IDLE_WAITING]) == (1.5, 0.25)
+    assert set(gpu) == {STEPS, GPU_TIME, BOUND, GPU_PASS, GPU_IDLE, GPU_IDLE_WAITING, OCCUPANCY}
+
+
+def test_a_peer_without_the_occupancy_counters_gives_the_rest() -> None:
+    """An older peer's report has no sum_running (nor ns_idle_waiting): those figures
+    are left out, the others given."""
+    before, after = ({k: v for k, v in r.items() if not k.startswith(("sum_", "ns_idle_w"))}
+                     for r in (GPU_BEFORE, GPU_AFTER))
+    figures = engine_figures("rate", ModelConfig.default(), before, after, 14_000.0, BANDWIDTH)
+    assert OCCUPANCY not in figures and GPU_IDLE_WAITING not in figures and GPU_IDLE in figures
 
 
 @pytest.mark.parametrize(("name", "architecture", "parameters"), [
@@ -225,13 +241,15 @@ def test_only_numbers_are_counters() -> None:
 
 def test_the_stats_mirror_ends_with_the_automata_and_schedule_counters() -> None:
     """Added at the end (test_c_header holds every offset against the header): the
-    context tokens, structured output's counters, then the schedules whose decodes ran
-    spread; the variants' array before them has five entries (the constrained sampler
-    graphs)."""
-    assert [name for name, _ in ModelStats._fields_[-6:]] == [
+    context tokens, structured output's counters, the schedules whose decodes ran
+    spread, then the running and waiting sequences summed by step and the idle time
+    while some waited; the variants' array before them has five entries (the
+    constrained sampler graphs)."""
+    assert [name for name, _ in ModelStats._fields_[-9:]] == [
         "context_tokens", "constrained", "automata_copied", "automata_evicted",
-        "automata_refused", "spread_schedules"]
-    assert ModelStats.context_tokens.offset == 184 and ctypes.sizeof(ModelStats) == 232
+        "automata_refused", "spread_schedules", "sum_running", "sum_waiting",
+        "ns_idle_waiting"]
+    assert ModelStats.context_tokens.offset == 184 and ctypes.sizeof(ModelStats) == 256
 
 
 def test_the_serving_benchmark_hands_its_config_and_scheduler_to_the_peer(

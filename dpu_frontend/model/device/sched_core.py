@@ -131,6 +131,9 @@ class ModelStats(ctypes.Structure):
         ("automata_evicted", ctypes.c_uint64),
         ("automata_refused", ctypes.c_uint64),
         ("spread_schedules", ctypes.c_uint64),
+        ("sum_running", ctypes.c_uint64),
+        ("sum_waiting", ctypes.c_uint64),
+        ("ns_idle_waiting", ctypes.c_uint64),
     )
 
 

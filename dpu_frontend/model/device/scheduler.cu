@@ -759,7 +759,9 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
                     __nanosleep((unsigned)a.idle_ns);
                 }
                 const uint64_t now = global_timer_ns();
-                a.stats->ns_idle += now - sm.t + sm.ph[PH_PUBLISH] + sm.ph[PH_INTAKE] + sm.ph[PH_SCHEDULE];
+                const uint64_t idle = now - sm.t + sm.ph[PH_PUBLISH] + sm.ph[PH_INTAKE] + sm.ph[PH_SCHEDULE];
+                a.stats->ns_idle += idle;
+                if (s->wait_count > 0) a.stats->ns_idle_waiting += idle;
                 sm.ph[PH_PUBLISH] = sm.ph[PH_INTAKE] = sm.ph[PH_SCHEDULE] = 0;
                 sm.t = now;
             }
@@ -780,6 +782,8 @@ __global__ void __launch_bounds__(SCHED_THREADS, 1) scheduler_kernel(const sched
             st->sampled += (uint64_t)sm.total.sample;
             st->context_tokens += (uint64_t)sm.context;
             st->admitted += (uint64_t)s->n_admitted;
+            st->sum_running += (uint64_t)s->n_running;
+            st->sum_waiting += (uint64_t)s->wait_count;
             st->variants[v]++;
             mirror(a);
             store_vol_u64(&a.kblock->steps, st->steps);

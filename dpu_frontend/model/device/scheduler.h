@@ -147,6 +147,13 @@ typedef struct dpuf_model_stats {
     /* Steps with decodes that were scheduled spread over the block (nothing
      * preempted, room in every ring for them); the rest by thread 0's serial loop. */
     uint64_t spread_schedules; /* 224 */
+    /* After each launched step's schedule, the sequences running and those still
+     * waiting, summed (means a step: over `steps`), as the host engine's
+     * EngineStats.sum_running / sum_waiting; and the idle passes' time while
+     * sequences waited (none could be scheduled: no blocks, slots or ring room). */
+    uint64_t sum_running;     /* 232 */
+    uint64_t sum_waiting;     /* 240 */
+    uint64_t ns_idle_waiting; /* 248 */
 } dpuf_model_stats;
 
 /* dpuf_model_stats.error: what stopped the scheduler. */
