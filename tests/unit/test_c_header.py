@@ -30,6 +30,7 @@ from dpu_frontend.gpu.runtime import (
     ALLREDUCE,
     ALLREDUCE_HOST,
     PEER_SOURCES,
+    STEP_RELAY_HOST,
     WALK_HOST,
     CudaSources,
     PeerLibrary,
@@ -295,7 +296,8 @@ def test_the_layout_record_matches_the_c_structs() -> None:
 
 
 @pytest.mark.parametrize("sources", [PEER_SOURCES, RECORDS, SCHEDULER, SCHED_HOST, WALK_HOST,
-                                     ALLREDUCE, ALLREDUCE_HOST], ids=lambda s: s.library)
+                                     ALLREDUCE, ALLREDUCE_HOST, STEP_RELAY_HOST],
+                         ids=lambda s: s.library)
 def test_the_sources_are_package_data(sources: CudaSources) -> None:
     """Every file a library is built from is where it says, and a wheel ships it; the
     files it declares are exactly what its main file includes, directly or not (the
