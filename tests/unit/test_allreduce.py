@@ -123,11 +123,11 @@ def test_a_shape_it_does_not_take_is_refused(build_dir: Path) -> None:
 def test_a_stalled_rank_ends_the_others_calls_with_a_fault_that_names_it(
         build_dir: Path, two_shot: bool) -> None:
     """Rank 1 of 3 runs no block (its kernel stopped): the others wait for its READY no
-    longer than their patience, raise their fault words naming it and the phase, and
+    longer than their patience (1 s), raise their fault words naming it and the phase, and
     their calls end (``Stalled``), rather than hang. The fault stays: the next call,
     with every rank there, still fails at once on those ranks, and rank 1 has none."""
     rng = np.random.default_rng(11)
-    ar = HostAllReduce.build(build_dir, 3, 64, "float32", 2, patience_s=0.2)
+    ar = HostAllReduce.build(build_dir, 3, 64, "float32", 2, patience_s=1.0)
     inputs = [values(rng, 64, "float32").tobytes() for _ in range(3)]
     with pytest.raises(Stalled) as stalled:
         ar(inputs, two_shot=two_shot, absent=1)
@@ -140,11 +140,12 @@ def test_a_stalled_rank_ends_the_others_calls_with_a_fault_that_names_it(
     assert again.value.faults == [want[0], None, want[1]]
 
 
-def test_every_rank_there_raises_no_fault_even_with_little_patience(build_dir: Path) -> None:
-    """A patience of 50 ms over 100 drifting calls (pauses of up to 200 us): no wait is
-    taken for a stall, every sum is right."""
+def test_every_rank_there_raises_no_fault_with_a_patience_shorter_than_the_run(
+        build_dir: Path) -> None:
+    """A patience of 1 s over 100 drifting calls (pauses of up to 200 us; the arm64
+    lane runs them emulated): no wait is taken for a stall, every sum is right."""
     rng = np.random.default_rng(12)
-    ar = HostAllReduce.build(build_dir, 4, 100, "bfloat16", 3, patience_s=0.05)
+    ar = HostAllReduce.build(build_dir, 4, 100, "bfloat16", 3, patience_s=1.0)
     calls = [[values(rng, 100, "bfloat16") for _ in range(4)] for _ in range(100)]
     got = ar.stream([[x.tobytes() for x in call] for call in calls], seed=5)
     assert all(got[k] == [rank_order_sum(call, "bfloat16")] * 4 for k, call in enumerate(calls))
