@@ -44,6 +44,8 @@
 
 #include <stdint.h>
 
+#include "peer_order.h"
+
 #ifdef __CUDACC__
 #define DPUF_AR_FN static inline __host__ __device__
 #else
@@ -162,33 +164,9 @@ DPUF_AR_FN int64_t dpuf_ar_flag_index(const dpuf_ar_call *c, int32_t phase, int3
 }
 
 #ifdef __CUDA_ARCH__
-#define DPUF_AR_STORE_RELEASE(p, v) \
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory")
-DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-#define DPUF_AR_PAUSE() __nanosleep(100)
-DPUF_AR_FN uint64_t dpuf_ar_now_ns(void) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 /* The first fault wins the word; its raiser copies it for the host. */
 DPUF_AR_FN uint32_t dpuf_ar_raise_first(uint32_t *fault, uint32_t code) { return atomicCAS(fault, 0u, code); }
 #else
-#include <sched.h>
-#include <time.h>
-#define DPUF_AR_STORE_RELEASE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
-DPUF_AR_FN uint32_t dpuf_ar_load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-/* The host build's ranks are threads that may outnumber the cores. */
-#define DPUF_AR_PAUSE() sched_yield()
-DPUF_AR_FN uint64_t dpuf_ar_now_ns(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-}
 DPUF_AR_FN uint32_t dpuf_ar_raise_first(uint32_t *fault, uint32_t code) {
     uint32_t was = 0;
     __atomic_compare_exchange_n(fault, &was, code, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -200,7 +178,7 @@ DPUF_AR_FN uint32_t dpuf_ar_raise_first(uint32_t *fault, uint32_t code) {
  * one copied for the host). */
 DPUF_AR_FN void dpuf_ar_raise(const dpuf_ar_call *c, int32_t phase, int32_t peer) {
     const uint32_t code = DPUF_AR_FAULT | (uint32_t)phase << 8 | (uint32_t)peer;
-    if (dpuf_ar_raise_first(c->fault, code) == 0 && c->fault_copy) DPUF_AR_STORE_RELEASE(c->fault_copy, code);
+    if (dpuf_ar_raise_first(c->fault, code) == 0 && c->fault_copy) dpuf_peer_release(c->fault_copy, code);
 }
 
 /* One thread of the block: `epoch` into word [phase][block][rank] of every
@@ -208,7 +186,7 @@ DPUF_AR_FN void dpuf_ar_raise(const dpuf_ar_call *c, int32_t phase, int32_t peer
  * caller's barrier and fence) are seen by a rank that sees the flag. */
 DPUF_AR_FN void dpuf_ar_signal(const dpuf_ar_call *c, int32_t phase, int32_t block) {
     const int64_t at = dpuf_ar_flag_index(c, phase, block, c->rank);
-    for (int32_t q = 0; q < c->ranks; q++) DPUF_AR_STORE_RELEASE(c->flags[q] + at, c->epoch);
+    for (int32_t q = 0; q < c->ranks; q++) dpuf_peer_release(c->flags[q] + at, c->epoch);
 }
 
 /* One thread of the block: wait until every rank's block `block` has signalled
@@ -216,52 +194,36 @@ DPUF_AR_FN void dpuf_ar_signal(const dpuf_ar_call *c, int32_t phase, int32_t blo
  * call's patience, or once this rank has a fault, no longer. */
 DPUF_AR_FN void dpuf_ar_wait(const dpuf_ar_call *c, int32_t phase, int32_t block) {
     const uint32_t *own = c->flags[c->rank];
-    const uint64_t since = dpuf_ar_now_ns();
+    const uint64_t since = dpuf_peer_now_ns();
     for (int32_t q = 0; q < c->ranks; q++)
-        while (dpuf_ar_load_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) {
-            if (dpuf_ar_load_acquire(c->fault) != 0) return; /* a stall seen already: no more waits */
-            if (dpuf_ar_now_ns() - since > c->patience_ns) {
+        while (dpuf_peer_acquire(own + dpuf_ar_flag_index(c, phase, block, q)) != c->epoch) {
+            if (dpuf_peer_acquire(c->fault) != 0) return; /* a stall seen already: no more waits */
+            if (dpuf_peer_now_ns() - since > c->patience_ns) {
                 dpuf_ar_raise(c, phase, q);
                 return;
             }
-            DPUF_AR_PAUSE();
+            DPUF_PEER_PAUSE();
         }
 }
 
 /* ---- one block's part of a call, for both sides ---------------------------- */
 
-/* The block's threads: on the GPU its CUDA threads, which meet at a barrier
- * after each fencing its writes at system scope; on the host one thread is the
- * block. */
-#ifdef __CUDA_ARCH__
-#define DPUF_AR_THREAD ((int64_t)threadIdx.x)
-#define DPUF_AR_THREADS ((int64_t)blockDim.x)
-#define DPUF_AR_MEET() \
-    do {                           \
-        __threadfence_system();    \
-        __syncthreads();           \
-    } while (0)
-#else
-#define DPUF_AR_THREAD ((int64_t)0)
-#define DPUF_AR_THREADS ((int64_t)1)
-#define DPUF_AR_MEET() ((void)0)
-#endif
 
 /* A phase: the block's writes so far fenced and met, thread 0 signals and waits,
  * and the block meets again (its threads read what the peers wrote before it). */
 DPUF_AR_FN void dpuf_ar_phase(const dpuf_ar_call *c, int32_t phase, int32_t block) {
-    DPUF_AR_MEET();
-    if (DPUF_AR_THREAD == 0) {
+    DPUF_PEER_MEET();
+    if (DPUF_PEER_THREAD == 0) {
         dpuf_ar_signal(c, phase, block);
         dpuf_ar_wait(c, phase, block);
     }
-    DPUF_AR_MEET();
+    DPUF_PEER_MEET();
 }
 
 /* Block `block`'s part of the call, by every thread of the block: the kernel's
  * body, and the host build's. */
 DPUF_AR_FN void dpuf_ar_block(const dpuf_ar_call *c, int32_t block) {
-    const int64_t t = DPUF_AR_THREAD, nt = DPUF_AR_THREADS;
+    const int64_t t = DPUF_PEER_THREAD, nt = DPUF_PEER_THREADS;
     dpuf_ar_phase(c, DPUF_AR_READY, block); /* the input was written before the call */
     if (!c->two_shot) {
         dpuf_ar_sum(c, c->out, dpuf_ar_cut(0, c->n, block, c->blocks), dpuf_ar_cut(0, c->n, block + 1, c->blocks),

@@ -69,15 +69,15 @@ WALK_HOST = CudaSources("libdpuf_walk_host", "walk_host.c", ("automaton_walk.h",
 #: Tensor parallelism's all-reduce over peer memory (``allreduce.h``) built for the host,
 #: the ranks' blocks as threads: the tests hold it to the rank-order sum
 #: (``allreduce.HostAllReduce``).
-ALLREDUCE_HOST = CudaSources("libdpuf_allreduce_host", "allreduce_host.c", ("allreduce.h",),
-                             (source_dir(),))
+ALLREDUCE_HOST = CudaSources("libdpuf_allreduce_host", "allreduce_host.c",
+                             ("allreduce.h", "peer_order.h"), (source_dir(),))
 #: Tensor parallelism's step relay (``step_relay.h``: rank 0's scheduler handing each step
 #: to the other ranks) built for the host, the ranks as threads (``step_relay.HostRelay``).
-STEP_RELAY_HOST = CudaSources("libdpuf_relay_host", "step_relay_host.c", ("step_relay.h",),
-                              (source_dir(),))
+STEP_RELAY_HOST = CudaSources("libdpuf_relay_host", "step_relay_host.c",
+                              ("step_relay.h", "peer_order.h"), (source_dir(),))
 #: The same all-reduce on the GPU (``allreduce.PeerMemoryLibrary``).
-ALLREDUCE = CudaSources("libdpuf_allreduce", "allreduce.cu", ("allreduce.h", "cuda_host.cuh"),
-                        (source_dir(),))
+ALLREDUCE = CudaSources("libdpuf_allreduce", "allreduce.cu",
+                        ("allreduce.h", "peer_order.h", "cuda_host.cuh"), (source_dir(),))
 
 
 def default_build_dir() -> Path:

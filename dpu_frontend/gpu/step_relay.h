@@ -36,6 +36,8 @@
 
 #include <stdint.h>
 
+#include "peer_order.h"
+
 #ifdef __CUDACC__
 #define DPUF_RELAY_FN static inline __host__ __device__
 #else
@@ -82,48 +84,6 @@ DPUF_RELAY_FN dpuf_relay_header *dpuf_relay_box(const dpuf_relay *r, int32_t fol
 
 DPUF_RELAY_FN uint8_t *dpuf_relay_payload(dpuf_relay_header *h) { return (uint8_t *)h + DPUF_RELAY_HEADER_BYTES; }
 
-/* ---- ordering, time and the block, for both sides --------------------------- */
-
-#ifdef __CUDA_ARCH__
-DPUF_RELAY_FN void dpuf_relay_release(uint32_t *p, uint32_t v) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-DPUF_RELAY_FN uint32_t dpuf_relay_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-DPUF_RELAY_FN uint64_t dpuf_relay_now_ns(void) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#define DPUF_RELAY_PAUSE() __nanosleep(200)
-#define DPUF_RELAY_THREAD ((uint64_t)threadIdx.x)
-#define DPUF_RELAY_THREADS ((uint64_t)blockDim.x)
-#define DPUF_RELAY_MEET()       \
-    do {                        \
-        __threadfence_system(); \
-        __syncthreads();        \
-    } while (0)
-/* Thread 0's verdict for the block: shared memory the caller declares. */
-#define DPUF_RELAY_SHARE(var) __syncthreads()
-#else
-#include <sched.h>
-#include <time.h>
-DPUF_RELAY_FN void dpuf_relay_release(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-DPUF_RELAY_FN uint32_t dpuf_relay_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-DPUF_RELAY_FN uint64_t dpuf_relay_now_ns(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-}
-#define DPUF_RELAY_PAUSE() sched_yield()
-#define DPUF_RELAY_THREAD ((uint64_t)0)
-#define DPUF_RELAY_THREADS ((uint64_t)1)
-#define DPUF_RELAY_MEET() ((void)0)
-#define DPUF_RELAY_SHARE(var) ((void)0)
-#endif
 
 /* `bytes` from src to dst by the block's threads: 16 bytes a load and a store where
  * both are 16-byte aligned (peer memory over NVLink wants wide stores), the tail
@@ -136,11 +96,11 @@ DPUF_RELAY_FN void dpuf_relay_copy(uint8_t *dst, const uint8_t *src, uint64_t by
     uint64_t done = 0;
     if ((((uintptr_t)dst | (uintptr_t)src) & 15u) == 0) {
         const uint64_t words = bytes / 16u;
-        for (uint64_t i = DPUF_RELAY_THREAD; i < words; i += DPUF_RELAY_THREADS)
+        for (uint64_t i = DPUF_PEER_THREAD; i < words; i += DPUF_PEER_THREADS)
             ((dpuf_relay_w16 *)dst)[i] = ((const dpuf_relay_w16 *)src)[i];
         done = words * 16u;
     }
-    for (uint64_t i = done + DPUF_RELAY_THREAD; i < bytes; i += DPUF_RELAY_THREADS) dst[i] = src[i];
+    for (uint64_t i = done + DPUF_PEER_THREAD; i < bytes; i += DPUF_PEER_THREADS) dst[i] = src[i];
 }
 
 /* ---- the leader -------------------------------------------------------------- */
@@ -149,16 +109,16 @@ DPUF_RELAY_FN void dpuf_relay_copy(uint8_t *dst, const uint8_t *src, uint64_t by
  * past the patience, raise the fault (the first stays). 0, or -1 on a fault
  * (this one's or an earlier one's: a faulted relay sends nothing more). */
 DPUF_RELAY_FN int dpuf_relay_wait_box(const dpuf_relay *r, int32_t f, uint32_t seq) {
-    const uint64_t since = dpuf_relay_now_ns();
-    while (seq > DPUF_RELAY_BOXES && dpuf_relay_acquire(&r->acks[f - 1]) < seq - DPUF_RELAY_BOXES) {
-        if (dpuf_relay_acquire(r->fault) != 0) return -1;
-        if (dpuf_relay_now_ns() - since > r->patience_ns) {
-            if (dpuf_relay_acquire(r->fault) == 0) dpuf_relay_release(r->fault, DPUF_RELAY_FAULT | (uint32_t)f);
+    const uint64_t since = dpuf_peer_now_ns();
+    while (seq > DPUF_RELAY_BOXES && dpuf_peer_acquire(&r->acks[f - 1]) < seq - DPUF_RELAY_BOXES) {
+        if (dpuf_peer_acquire(r->fault) != 0) return -1;
+        if (dpuf_peer_now_ns() - since > r->patience_ns) {
+            if (dpuf_peer_acquire(r->fault) == 0) dpuf_peer_release(r->fault, DPUF_RELAY_FAULT | (uint32_t)f);
             return -1;
         }
-        DPUF_RELAY_PAUSE();
+        DPUF_PEER_PAUSE();
     }
-    return dpuf_relay_acquire(r->fault) != 0 ? -1 : 0;
+    return dpuf_peer_acquire(r->fault) != 0 ? -1 : 0;
 }
 
 /* Step `seq` of `kind` (graph, payload of `bytes`) into every follower's box, by
@@ -169,22 +129,22 @@ DPUF_RELAY_FN int dpuf_relay_wait_box(const dpuf_relay *r, int32_t f, uint32_t s
 DPUF_RELAY_FN int dpuf_relay_send(const dpuf_relay *r, uint32_t seq, uint32_t kind, int32_t graph,
                                   const uint8_t *payload, uint32_t bytes, int *verdict) {
     if (bytes > r->capacity) return -2;
-    if (DPUF_RELAY_THREAD == 0) {
+    if (DPUF_PEER_THREAD == 0) {
         *verdict = 0;
         for (int32_t f = 1; f <= r->followers && *verdict == 0; f++) *verdict = dpuf_relay_wait_box(r, f, seq);
     }
-    DPUF_RELAY_SHARE(*verdict);
+    DPUF_PEER_SHARE();
     if (*verdict != 0) return -1;
     for (int32_t f = 1; f <= r->followers; f++) {
         dpuf_relay_header *h = dpuf_relay_box(r, f, seq);
         dpuf_relay_copy(dpuf_relay_payload(h), payload, bytes);
-        if (DPUF_RELAY_THREAD == 0) {
+        if (DPUF_PEER_THREAD == 0) {
             h->kind = kind;
             h->graph = graph;
             h->bytes = bytes;
         }
-        DPUF_RELAY_MEET(); /* every thread's payload bytes before the seq */
-        if (DPUF_RELAY_THREAD == 0) dpuf_relay_release(&h->seq, seq);
+        DPUF_PEER_MEET(); /* every thread's payload bytes before the seq */
+        if (DPUF_PEER_THREAD == 0) dpuf_peer_release(&h->seq, seq);
     }
     return 0;
 }
@@ -197,28 +157,28 @@ DPUF_RELAY_FN int dpuf_relay_send(const dpuf_relay *r, uint32_t seq, uint32_t ki
 DPUF_RELAY_FN int dpuf_relay_receive(const dpuf_relay *r, uint32_t seq, uint8_t *out, dpuf_relay_header *got,
                                      int *verdict) {
     dpuf_relay_header *h = dpuf_relay_box(r, r->rank, seq);
-    if (DPUF_RELAY_THREAD == 0) {
+    if (DPUF_PEER_THREAD == 0) {
         *verdict = 1;
-        while (dpuf_relay_acquire(&h->seq) != seq) {
-            if (dpuf_relay_acquire(r->stop) != 0) {
+        while (dpuf_peer_acquire(&h->seq) != seq) {
+            if (dpuf_peer_acquire(r->stop) != 0) {
                 *verdict = 0;
                 break;
             }
-            DPUF_RELAY_PAUSE();
+            DPUF_PEER_PAUSE();
         }
     }
-    DPUF_RELAY_SHARE(*verdict);
+    DPUF_PEER_SHARE();
     if (*verdict == 0) return 0;
     const uint32_t bytes = h->bytes;
     dpuf_relay_copy(out, dpuf_relay_payload(h), bytes);
-    if (DPUF_RELAY_THREAD == 0) {
+    if (DPUF_PEER_THREAD == 0) {
         got->seq = seq;
         got->kind = h->kind;
         got->graph = h->graph;
         got->bytes = bytes;
     }
-    DPUF_RELAY_MEET(); /* every thread's copy done before the box is given back */
-    if (DPUF_RELAY_THREAD == 0) dpuf_relay_release(&r->acks[r->rank - 1], seq);
+    DPUF_PEER_MEET(); /* every thread's copy done before the box is given back */
+    if (DPUF_PEER_THREAD == 0) dpuf_peer_release(&r->acks[r->rank - 1], seq);
     return 1;
 }
 
