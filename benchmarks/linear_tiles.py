@@ -266,6 +266,11 @@ def report(name: str, rows: dict[str, Any]) -> tuple[str, dict[str, float]]:
                      f"  best {b['best']:>20} {shown(b['best'])}"
                      f"  reference {shown(reference)}"
                      f"  cuBLAS {b['cublas_us']:7.1f} us ({b['cublas_us'] / bound:4.2f}x)")
+        # The candidates that did not count, by why (inexact bits, or an exception's
+        # name): the log says so, not the JSON alone.
+        left = {t: v for t, v in tiles.items() if not isinstance(v, float)}
+        if left:
+            lines.append("          not counted: " + ", ".join(f"{t} ({v})" for t, v in left.items()))
         figures |= {f"M{m}_{what}_us": round(float(tiles[b[what]]), 1) for what in ("table", "best")
                     if isinstance(tiles.get(b[what]), float)}
         figures[f"M{m}_cublas_us"] = round(b["cublas_us"], 1)
