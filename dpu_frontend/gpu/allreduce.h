@@ -46,11 +46,7 @@
 
 #include "peer_order.h"
 
-#ifdef __CUDACC__
-#define DPUF_AR_FN static inline __host__ __device__
-#else
-#define DPUF_AR_FN static inline
-#endif
+#define DPUF_AR_FN DPUF_PEER_FN /* peer_order.h's */
 
 #define DPUF_AR_MAX_RANKS 8
 #define DPUF_AR_PHASES 3
@@ -207,7 +203,6 @@ DPUF_AR_FN void dpuf_ar_wait(const dpuf_ar_call *c, int32_t phase, int32_t block
 }
 
 /* ---- one block's part of a call, for both sides ---------------------------- */
-
 
 /* A phase: the block's writes so far fenced and met, thread 0 signals and waits,
  * and the block meets again (its threads read what the peers wrote before it). */

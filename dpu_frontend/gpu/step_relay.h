@@ -38,11 +38,7 @@
 
 #include "peer_order.h"
 
-#ifdef __CUDACC__
-#define DPUF_RELAY_FN static inline __host__ __device__
-#else
-#define DPUF_RELAY_FN static inline
-#endif
+#define DPUF_RELAY_FN DPUF_PEER_FN /* peer_order.h's */
 
 #define DPUF_RELAY_MAX_FOLLOWERS 7
 #define DPUF_RELAY_BOXES 2
