@@ -162,6 +162,29 @@ GROUP_SPREAD_PAIRS: int | None = None
 
 
 @triton.jit
+def _chunk_ranks(ids_ptr, c0, n, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs [c0, c0 + CHUNK): their indices, their [CHUNK, E_P2] one-hot matrix of
+    experts (rows past n all zero), and each one's rank among the chunk's earlier pairs
+    of its expert (the running sums down the matrix's columns)."""
+    i = c0 + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
+    onehot = (e[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
+    return i, onehot, tl.sum(onehot * (tl.cumsum(onehot, 0) - onehot), axis=1)
+
+
+@triton.jit
+def _store_block_experts(ends, block_expert_ptr, num_blocks, EXPERTS: tl.constexpr,
+                         E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Each block's expert from the padded runs' ends: the experts whose run ends at or
+    before the block's first row (torch.searchsorted(ends, first, right=True))."""
+    real = tl.arange(0, E_P2) < EXPERTS
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+@triton.jit
 def _group_kernel(ids_ptr, pairs_ptr, block_expert_ptr, n, num_blocks,
                   EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                   CHUNK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
@@ -188,20 +211,11 @@ def _group_kernel(ids_ptr, pairs_ptr, block_expert_ptr, n, num_blocks,
     tl.debug_barrier()
     placed = tl.zeros((E_P2,), dtype=tl.int32)
     for c0 in range(0, n, CHUNK):
-        i = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, 0) - onehot  # this chunk's earlier pairs, by expert
-        place = tl.sum(onehot * (before + (starts + placed)[None, :]), axis=1)
+        i, onehot, rank = _chunk_ranks(ids_ptr, c0, n, E_P2, CHUNK)
+        place = tl.sum(onehot * (starts + placed)[None, :], axis=1) + rank
         tl.store(pairs_ptr + place, i, mask=i < n)
         placed += tl.sum(onehot, axis=0)
-    # A block's expert: the experts whose padded run ends at or before its first row
-    # (torch.searchsorted(ends, first, right=True)).
-    real = experts < EXPERTS
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
-        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
+    _store_block_experts(ends, block_expert_ptr, num_blocks, EXPERTS, E_P2, BLOCK_M, CHUNK)
 
 
 def _group_in_one_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
@@ -225,13 +239,9 @@ def _group_count_kernel(ids_ptr, rank_ptr, counts_ptr, pairs_ptr, n, slots, fill
     ``n``, which ``_group_place_kernel``, launched after, overwrites where a pair goes."""
     dependent_start(PDL, EARLY)
     c = tl.program_id(0)
-    experts = tl.arange(0, E_P2)
-    i = c * CHUNK + tl.arange(0, CHUNK)
-    e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
-    onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-    before = tl.cumsum(onehot, 0) - onehot
-    tl.store(rank_ptr + i, tl.sum(onehot * before, axis=1), mask=i < n)
-    tl.store(counts_ptr + c * E_P2 + experts, tl.sum(onehot, axis=0))
+    i, onehot, rank = _chunk_ranks(ids_ptr, c * CHUNK, n, E_P2, CHUNK)
+    tl.store(rank_ptr + i, rank, mask=i < n)
+    tl.store(counts_ptr + c * E_P2 + tl.arange(0, E_P2), tl.sum(onehot, axis=0))
     for s0 in range(c * fill, tl.minimum((c + 1) * fill, slots), CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         tl.store(pairs_ptr + s, tl.zeros((CHUNK,), dtype=tl.int32) + n,
@@ -257,11 +267,7 @@ def _group_offsets_kernel(counts_ptr, offsets_ptr, block_expert_ptr, chunks, num
     for c in range(0, chunks):
         tl.store(offsets_ptr + c * E_P2 + experts, placed)
         placed += tl.load(counts_ptr + c * E_P2 + experts)
-    real = experts < EXPERTS
-    for b0 in range(0, num_blocks, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
-        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
+    _store_block_experts(ends, block_expert_ptr, num_blocks, EXPERTS, E_P2, BLOCK_M, CHUNK)
 
 
 @triton.jit
