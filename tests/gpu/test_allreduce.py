@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 
 from dpu_frontend.gpu.runtime import ALLREDUCE, build, default_build_dir
 from dpu_frontend.model.layers.collective import GatheredGroup, PeerMemoryGroup
+from tests.tools.cpu_tensor_parallel import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +32,6 @@ SIZES = (1, 7, 4099, 65_536, 131_073, 1 << 20)
 MAX_BYTES = 4 << 20
 DRIFTING = 40  # back-to-back calls with random pauses
 REPLAYS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -104,17 +98,29 @@ def rank_main(rank: int, size: int, port: int, library: str, result: Any) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("size", [2, 4])
-def test_the_peer_memory_all_reduce_gives_the_gathered_sums_bits(size: int) -> None:
+def need_gpus(size: int) -> None:
+    """A test of ``size`` ranks, one a GPU, skips on a machine with fewer."""
     if torch.cuda.device_count() < size:
         pytest.skip(f"{size} ranks need {size} GPUs; this machine has "
                     f"{torch.cuda.device_count()}")
+
+
+def run_ranks(main: Any, size: int) -> dict[int, Any]:
+    """``main(rank, size, port, library, result)`` on ``size`` ranks, a process a GPU,
+    the library built here: what each rank put in ``result``."""
+    need_gpus(size)
     library = str(build(default_build_dir(), ALLREDUCE, arch="sm_90"))
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(rank_main, args=(size, free_port(), library, result), nprocs=size)
-        assert dict(result) == {r: 2 * len(SIZES) + DRIFTING + REPLAYS for r in range(size)}
+        mp.spawn(main, args=(size, free_port(), library, result), nprocs=size)
+        return dict(result)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_peer_memory_all_reduce_gives_the_gathered_sums_bits(size: int) -> None:
+    assert run_ranks(rank_main, size) == {
+        r: 2 * len(SIZES) + DRIFTING + REPLAYS for r in range(size)}
     print(f"{size} ranks: the peer-memory all-reduce gave the gathered rank-order sum's "
           f"bits for {2 * len(SIZES)} messages, {DRIFTING} drifting back-to-back calls and "
           f"{REPLAYS} graph replays of a one-shot and a two-shot call")
@@ -143,13 +149,7 @@ def stalled_rank_main(rank: int, size: int, port: int, library: str, result: Any
 
 @pytest.mark.timeout(300)
 def test_a_stalled_rank_ends_the_others_calls_with_its_name() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"2 ranks need 2 GPUs; this machine has {torch.cuda.device_count()}")
-    library = str(build(default_build_dir(), ALLREDUCE, arch="sm_90"))
-    with mp.Manager() as manager:
-        result = manager.dict()
-        mp.spawn(stalled_rank_main, args=(2, free_port(), library, result), nprocs=2)
-        assert dict(result) == {
-            0: "rank 0's all-reduce waited past its patience for rank 1 at READY: that "
-               "rank's kernel stopped or stalls",
-            1: None}
+    assert run_ranks(stalled_rank_main, 2) == {
+        0: "rank 0's all-reduce waited past its patience for rank 1 at READY: that "
+           "rank's kernel stopped or stalls",
+        1: None}

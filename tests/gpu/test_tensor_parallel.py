@@ -8,8 +8,8 @@ which runs the same on the CPU). Needs a machine with 2 GPUs (4 for the 4-rank c
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.gpu.test_allreduce import need_gpus
 from tests.tools import cpu_tensor_parallel
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,5 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_ranks_give_one_gpus_logits(size: int) -> None:
-    if torch.cuda.device_count() < size:
-        pytest.skip(f"{size} ranks need {size} GPUs; this machine has "
-                    f"{torch.cuda.device_count()}")
+    need_gpus(size)
     assert cpu_tensor_parallel.main(["--device", "cuda", "--sizes", str(size)]) == 0
