@@ -28,7 +28,6 @@ typedef struct run {
     uint32_t stall_after;
     uint32_t stops[DPUF_RELAY_MAX_FOLLOWERS + 1];
     uint8_t *scratch[DPUF_RELAY_MAX_FOLLOWERS + 1]; /* a follower's copy of a step past the last */
-    uint32_t seed;
     int result;
 } run;
 
