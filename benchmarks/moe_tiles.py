@@ -11,10 +11,10 @@ output is bit for bit the reference tile's (``MOE_TILE``). A graph of ``--reps``
 launches draws another routing for each launch, so the experts read change from
 launch to launch as they do from layer to layer; the bound is the distinct experts'
 bytes of each launch over the copy bandwidth measured in the same run. The grouping
-is timed too: the one-kernel path, torch's and the one spread over programs
-(``_group_spread``), at every batch, to say where they meet.
+is timed too: the engine's, spread over programs (``_group_spread``), beside torch's
+sort and scans (``_group_with_torch``, the reference it equals).
 
-    python -m benchmarks.moe_tiles --batch 1 8 64 256 512
+    python -m benchmarks.moe_tiles --batch 1 8 64 256 512 2048
     python -m benchmarks.moe_tiles --model-config benchmarks/configs/qwen3-30b-a3b.json
 """
 
@@ -103,9 +103,6 @@ def measure(config: ModelConfig, tokens: int, reps: int, iters: int, bandwidth: 
         result["tiles"][name] = times
     blocks = -(-pairs_n // moe.MOE_BLOCK_M) + min(experts, pairs_n)
     result["group_us"] = {
-        "one kernel": timed(lambda i: moe._group_in_one_kernel(ids[i % reps], experts,
-                                                               moe.MOE_BLOCK_M, blocks),
-                            iters, reps),
         "torch": timed(lambda i: moe._group_with_torch(ids[i % reps], experts,
                                                        moe.MOE_BLOCK_M, blocks), iters, reps),
         "spread": timed(lambda i: moe._group_spread(ids[i % reps], experts,
@@ -116,11 +113,10 @@ def measure(config: ModelConfig, tokens: int, reps: int, iters: int, bandwidth: 
 def report(result: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     tokens = result["tokens"]
     lines = [f"T={tokens:>4} ({result['pairs']} pairs, {result['distinct_experts']:.1f} "
-             f"experts a launch): grouping one kernel {result['group_us']['one kernel']:.1f} us,"
-             f" torch {result['group_us']['torch']:.1f} us,"
+             f"experts a launch): grouping torch {result['group_us']['torch']:.1f} us,"
              f" spread {result['group_us']['spread']:.1f} us"]
-    figures: dict[str, Any] = {f"T{tokens} grouping us (one kernel / torch / spread)":
-                               "{one kernel:.1f} / {torch:.1f} / {spread:.1f}".format(
+    figures: dict[str, Any] = {f"T{tokens} grouping us (torch / spread)":
+                               "{torch:.1f} / {spread:.1f}".format(
                                    **result["group_us"])}
     for name, times in result["tiles"].items():
         bound = result["bound_us"][name]
@@ -142,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-config", type=Path, default=DEFAULT_CONFIG, metavar="FILE",
                         help="a mixture of experts' config.json (default: Qwen3-30B-A3B's)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256, 512, 2048])
     parser.add_argument("--reps", type=int, default=20, help="launches a timed graph holds")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--json", type=Path, help="write every measurement here")

@@ -1,7 +1,7 @@
 """The mixture-of-experts layer (``layers.moe``) on a real GPU, at Qwen3-30B-A3B's
 shapes (128 experts of 768, 8 routed a token, hidden 2048): the router against torch's
 softmax and top-k, the grouping's invariants, the layer against transformers' own
-loop over the experts, and a row's bits alone and in batches of 1 to 512. Each test
+loop over the experts, and a row's bits alone and in batches of 1 to 2,048. Each test
 prints what it measured."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import torch.nn.functional as F
 
 from dpu_frontend.model.layers.linear import linear
 from dpu_frontend.model.layers.moe import (
-    GROUP_ONE_KERNEL_PAIRS,
     MOE_BLOCK_M,
-    _group_in_one_kernel,
+    MOE_LOTS_PAIRS,
     _group_spread,
     _group_with_torch,
     group_by_expert,
@@ -28,7 +27,10 @@ from dpu_frontend.model.layers.moe import (
 pytestmark = pytest.mark.gpu
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-ROWS = (1, 2, 7, 16, 17, 40, 64, 65, 100, 128, 129, 200, 256, 257, 384, 512)
+#: Row counts from one token to a prompt chunk's 2,048, each tile tier's among them
+#: (``moe_tiles``: 16-row tiles below 8 pairs an expert, 64 below MOE_LOTS_PAIRS, 128).
+ROWS = (1, 2, 7, 16, 17, 40, 64, 65, 100, 128, 129, 200, 256, 257, 384, 512, 1500,
+        MOE_LOTS_PAIRS * EXPERTS // TOP_K)
 
 
 def weights(dtype: torch.dtype, seed: int, experts: int = EXPERTS, hidden: int = HIDDEN,
@@ -106,31 +108,28 @@ def test_pairs_are_grouped_by_expert_in_whole_blocks() -> None:
     print("grouping: every pair once, each block one expert's, in order, padding after")
 
 
-def test_the_grouping_kernels_are_torchs_sort() -> None:
-    """``_group_kernel`` (up to GROUP_ONE_KERNEL_PAIRS pairs) and the grouping spread
-    over programs (``_group_spread``, at every size, a mixed step's 2,048 tokens among
-    them) give the tensors of the torch path bit for bit: spread and skewed routing,
-    60 experts (not a power of 2), the GEMM's 16- and 64-row blocks."""
+def test_the_grouping_is_torchs_sort() -> None:
+    """The grouping spread over programs (``_group_spread``) gives the tensors of torch's
+    sort and scans bit for bit, from no token to a mixed step's 2,048: spread and skewed
+    routing, 60 experts (not a power of 2), the GEMM's 16-, 64- and 128-row blocks."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     cases = 0
     for experts, k in ((EXPERTS, TOP_K), (60, 4)):
-        for tokens in (1, 3, 16, 33, 256, GROUP_ONE_KERNEL_PAIRS // k, 2048):
-            spread = torch.stack([torch.randperm(experts, generator=gen, device="cuda")[:k]
-                                  for _ in range(tokens)]).int()
+        for tokens in (0, 1, 3, 16, 33, 256, 2048):
+            spread = torch.zeros((tokens, k), dtype=torch.int32, device="cuda")
+            for t in range(tokens):
+                spread[t] = torch.randperm(experts, generator=gen, device="cuda")[:k]
             skewed = torch.arange(k, device="cuda", dtype=torch.int32).repeat(tokens, 1)
-            for ids, block_m in itertools.product((spread, skewed), (MOE_BLOCK_M, 64)):
+            for ids, block_m in itertools.product((spread, skewed), (MOE_BLOCK_M, 64, 128)):
                 n = ids.numel()
                 blocks = -(-n // block_m) + min(experts, n)
-                torchs = _group_with_torch(ids, experts, block_m, blocks)
-                ways = [_group_spread(ids, experts, block_m, blocks)]
-                if n <= GROUP_ONE_KERNEL_PAIRS:
-                    ways.append(_group_in_one_kernel(ids, experts, block_m, blocks))
-                for pairs, block_expert in ways:
-                    assert torch.equal(pairs, torchs[0]) and torch.equal(
-                        block_expert, torchs[1]), (experts, k, tokens, block_m)
+                pairs, block_expert = _group_spread(ids, experts, block_m, blocks)
+                want = _group_with_torch(ids, experts, block_m, blocks)
+                assert torch.equal(pairs, want[0]) and torch.equal(block_expert, want[1]), (
+                    experts, k, tokens, block_m)
                 cases += 1
-    print(f"grouping kernels = torch's sort and scans in {cases} cases, the one kernel up "
-          f"to {GROUP_ONE_KERNEL_PAIRS} pairs, the spread one up to 16,384")
+    print(f"the spread grouping = torch's sort and scans in {cases} cases, up to 16,384 "
+          "pairs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])

@@ -7,8 +7,8 @@
    to 1 where the config says (``norm_topk_prob``), the weights rounded to the model
    dtype as transformers rounds them;
 2. ``group_by_expert``: the (token, k) pairs sorted by expert, each expert's run padded
-   to whole blocks of rows (one kernel up to a few thousand pairs, torch's sort and
-   scans past that; no host sync: CUDA graphs capture it);
+   to whole blocks of rows (three short launches of a chunk of pairs a program; no
+   host sync: CUDA graphs capture it);
 3. ``moe_gemm``, once a projection: each program takes one block of one
    expert's pairs and a block of its output columns. The gate_up projection gathers
    the tokens' rows and ends in SwiGLU (``activation.swiglu``); down reads those rows;
@@ -64,17 +64,23 @@ MOE_BLOCK_M = MOE_TILE.block_m
 #: The (gate_up, down) tiles, by the pairs an expert gets on average. Few (decode's
 #: small batches): 16 rows, narrow column blocks and deep pipelines, to put enough
 #: programs on the GPU to stream the experts. Many (from ``MOE_MANY_PAIRS``): 64 rows,
-#: so that an expert's weights are read once for all its pairs. Chosen from
-#: ``benchmarks.moe_tiles`` on an H200 (docs/gpu.md): at Qwen3-30B-A3B's shapes, 1 to
-#: 512 tokens, every candidate's bits equal the reference's.
+#: so that an expert's weights are read once for all its pairs. Lots (from
+#: ``MOE_LOTS_PAIRS``, prompt chunks of thousands of tokens): 128 x 128 tiles, whose
+#: products, not the weights' bytes, are the time. Chosen from ``benchmarks.moe_tiles``
+#: on an H200 (docs/gpu.md): at Qwen3-30B-A3B's shapes, 1 to 2,048 tokens, every
+#: candidate's bits equal the reference's.
 MOE_TILES_FEW = (MoeTile(16, 32, 4, 5), MoeTile(16, 64, 4, 5))
 MOE_TILES_MANY = (MoeTile(64, 64, 4, 3), MoeTile(64, 128, 8, 4))
+MOE_TILES_LOTS = (MoeTile(128, 128, 8, 4), MoeTile(128, 128, 8, 3))
 MOE_MANY_PAIRS = 8
+MOE_LOTS_PAIRS = 128
 
 
 def moe_tiles(pairs: int, experts: int) -> tuple[MoeTile, MoeTile]:
     """The (gate_up, down) tiles for ``pairs`` (token, expert) pairs over ``experts``:
     one grouping serves both, so their rows are one."""
+    if pairs >= MOE_LOTS_PAIRS * experts:
+        return MOE_TILES_LOTS
     return MOE_TILES_MANY if pairs >= MOE_MANY_PAIRS * experts else MOE_TILES_FEW
 COMBINE_BLOCK = 512
 
@@ -134,31 +140,18 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
     - ``block_expert``: each block's expert, ``num_experts`` past the last run.
 
     Sizes depend on T and k alone (at most ``cdiv(T k, block_m) + min(experts, T k)``
-    blocks), and nothing waits for the GPU, so a CUDA graph captures it. Up to
-    ``GROUP_ONE_KERNEL_PAIRS`` pairs (decode, small mixed steps) one kernel does it all;
-    past that, torch's sort and scans; where ``GROUP_SPREAD_PAIRS`` is set, past it the
-    grouping spread over programs instead. All give the same tensors."""
+    blocks), and nothing waits for the GPU, so a CUDA graph captures it. Three short
+    launches spread the work over programs of ``GROUP_CHUNK`` pairs (``_group_spread``);
+    they give torch's sort and scans' tensors (``_group_with_torch``, the reference)."""
     n = ids.numel()
-    blocks = -(-n // block_m) + min(num_experts, n)
-    if n <= (GROUP_SPREAD_PAIRS or GROUP_ONE_KERNEL_PAIRS):
-        return _group_in_one_kernel(ids, num_experts, block_m, blocks)
-    if GROUP_SPREAD_PAIRS:
-        return _group_spread(ids, num_experts, block_m, blocks)
-    return _group_with_torch(ids, num_experts, block_m, blocks)
+    return _group_spread(ids, num_experts, block_m, -(-n // block_m) + min(num_experts, n))
 
 
-#: The most (token, k) pairs grouped by ``_group_kernel`` (decode's 256 rows x 8): one
-#: program's work grows as pairs x experts (70 us at 2,048 pairs, 11% of Qwen3-30B-A3B's
-#: step at 256 rows, H200), torch's dozen launches stay about flat (80-85 us).
-GROUP_ONE_KERNEL_PAIRS = 2048
+#: The pairs a grouping program takes. The spread grouping's three launches against one
+#: program for every pair (whose work grew as pairs x experts) and torch's dozen: 4.0 /
+#: 5.7 / 45.5 us at 1 token, 12.7 / 111.5 / 79.8 at 256, 54.4 / 861.4 / 128.8 at 2,048
+#: (Qwen3-30B-A3B's 128 experts, 8 routed; H200, docs/gpu.md "Issue 25, fifth step").
 GROUP_CHUNK = 64
-#: Past this many pairs the grouping spreads over programs (``_group_spread``: three
-#: short launches whose work a program is one chunk's), and torch's path is not taken;
-#: None: one kernel up to GROUP_ONE_KERNEL_PAIRS, torch's past it. The three give the
-#: same tensors. None until ``benchmarks.moe_tiles`` has timed the spread grouping and
-#: ``tests/gpu/test_moe.py`` has held it to torch's on a GPU (docs/gpu.md, "Issue 25:
-#: the grouping spread over programs").
-GROUP_SPREAD_PAIRS: int | None = None
 
 
 @triton.jit
@@ -182,51 +175,6 @@ def _store_block_experts(ends, block_expert_ptr, num_blocks, EXPERTS: tl.constex
         b = b0 + tl.arange(0, CHUNK)
         done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]
         tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < num_blocks)
-
-
-@triton.jit
-def _group_kernel(ids_ptr, pairs_ptr, block_expert_ptr, n, num_blocks,
-                  EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    """One program: each expert's count of pairs, its run's start (the runs padded to
-    whole blocks), each pair's place (its expert's start, plus the pairs of that expert
-    before it), and each block's expert. Pairs are read in chunks of CHUNK; a chunk's
-    [CHUNK, experts] one-hot matrix gives counts by its column sums and ranks by its
-    running sums down the columns."""
-    dependent_start(PDL, EARLY)
-    experts = tl.arange(0, E_P2)
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for c0 in range(0, n, CHUNK):
-        i = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + i, mask=i < n, other=E_P2)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    slots = num_blocks * BLOCK_M
-    for s0 in range(0, slots, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        tl.store(pairs_ptr + s, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=s < slots)
-    # The padding's stores before the pairs' own, which overwrite some of them.
-    tl.debug_barrier()
-    placed = tl.zeros((E_P2,), dtype=tl.int32)
-    for c0 in range(0, n, CHUNK):
-        i, onehot, rank = _chunk_ranks(ids_ptr, c0, n, E_P2, CHUNK)
-        place = tl.sum(onehot * (starts + placed)[None, :], axis=1) + rank
-        tl.store(pairs_ptr + place, i, mask=i < n)
-        placed += tl.sum(onehot, axis=0)
-    _store_block_experts(ends, block_expert_ptr, num_blocks, EXPERTS, E_P2, BLOCK_M, CHUNK)
-
-
-def _group_in_one_kernel(ids: torch.Tensor, num_experts: int, block_m: int,
-                         blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = torch.empty((blocks * block_m,), dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty((blocks,), dtype=torch.int32, device=ids.device)
-    _group_kernel[(1,)](ids.reshape(-1).to(torch.int32), pairs, block_expert, ids.numel(),
-                        blocks, EXPERTS=num_experts,
-                        E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                        CHUNK=GROUP_CHUNK, **launch(ids.device, (1,)), num_warps=4)
-    return pairs, block_expert
 
 
 @triton.jit
@@ -255,7 +203,7 @@ def _group_offsets_kernel(counts_ptr, offsets_ptr, block_expert_ptr, chunks, num
     """One program: each expert's total, its run's start (the runs padded to whole
     blocks), each chunk's first place for each expert (its run's start plus the earlier
     chunks' pairs of that expert), into ``offsets`` [chunks, E_P2], and each block's
-    expert, as ``_group_kernel`` takes them."""
+    expert."""
     dependent_start(PDL, EARLY)
     experts = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), dtype=tl.int32)
@@ -286,13 +234,14 @@ def _group_place_kernel(ids_ptr, rank_ptr, offsets_ptr, pairs_ptr, n, E_P2: tl.c
 
 def _group_spread(ids: torch.Tensor, num_experts: int, block_m: int,
                   blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_group_kernel``'s tensors from three launches, a chunk of GROUP_CHUNK pairs a
+    """``group_by_expert``'s tensors from three launches, a chunk of GROUP_CHUNK pairs a
     program in the first and the last: counts and ranks by chunk, the offsets in one
     program (a loop over the chunks, not over the pairs), the places."""
     n = ids.numel()
-    if n == 0:  # no chunk to give a program
-        return _group_in_one_kernel(ids, num_experts, block_m, blocks)
     device = ids.device
+    if n == 0:  # no pair, no block
+        return (torch.empty((0,), dtype=torch.int32, device=device),
+                torch.empty((0,), dtype=torch.int32, device=device))
     flat = ids.reshape(-1).to(torch.int32)
     chunks = -(-n // GROUP_CHUNK)
     e_p2 = triton.next_power_of_2(num_experts)
