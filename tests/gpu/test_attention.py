@@ -123,8 +123,9 @@ def test_a_sequence_alone_gives_its_bits_in_a_batch_of_512(step: int) -> None:
                                batch.rows(batch.run(step_pages=step), position)), (seq, position)
 
 
-#: The tall factors: the engine's, and the benchmark's candidates.
-TALLS = sorted({ATTN_TALL, 2, 4} - {0})
+#: The tall factors: the engine's, and 2, the exact candidate (4, 64-row tiles, gives
+#: other bits on the H200: docs/gpu.md, "Issue 24, ninth step").
+TALLS = sorted({ATTN_TALL, 2} - {0})
 
 
 @pytest.mark.parametrize("tall", TALLS, ids=lambda n: f"tall-{n}")

@@ -45,14 +45,15 @@ ATTN_STEP_PAGES = 2
 ATTN_WARPS = 4
 ATTN_STAGES = 2
 #: Tall prompt tiles: a sequence with more query tokens than one tile holds (a prompt
-#: chunk) runs, in a second launch, tiles of this many short tiles' tokens (4: 64 rows at
-#: a group of 4), which read each key once for 4x the tokens; decodes keep their short
-#: tiles. 0: one launch of short tiles for every sequence. The tall tile must give each
-#: row the short tile's bits (a preempted sequence recomputes as a prompt what it had
-#: decoded): the H200 sweep of the seventh step found 64-row tiles exact, and
-#: tests/gpu/test_attention.py holds each factor to it. Off until that test and
-#: ``benchmarks.attention_prefill --tall`` have run on the step's default (docs/gpu.md,
-#: "Issue 24, eighth step").
+#: chunk) runs, in a second launch, tiles of this many short tiles' tokens, which read
+#: each key once for that many times the tokens; decodes keep their short tiles. 0: one
+#: launch of short tiles for every sequence. A tall tile must give each row the short
+#: tile's bits (a preempted sequence recomputes as a prompt what it had decoded), and
+#: tests/gpu/test_attention.py holds factor 2 to it. On the H200 (docs/gpu.md, "Issue 24,
+#: ninth step") factor 2 (32 rows at a group of 4) is exact and takes 5-16% off prompt
+#: chunks of 512 tokens and more, but costs 6% on 128-token chunks and 13% on a mixed
+#: step of 256 decodes, serving's common step, whose decodes and prompts no longer share
+#: a launch; factor 4 (64 rows) is 0.62x on long prompts but gives other bits. So 0.
 ATTN_TALL = 0
 
 
