@@ -31,6 +31,8 @@ from benchmarks.common import record
 from benchmarks.model_figures import Precision, describe, load_config, step_bytes
 from benchmarks.model_step import copy_bandwidth, decode_batch
 from dpu_frontend.model.blocks import BlockPool
+from dpu_frontend.model.layers.attention import ATTN_ROWS
+from dpu_frontend.model.metadata import step_inputs
 from dpu_frontend.model.options import RunnerOptions
 from dpu_frontend.model.runner import ModelRunner
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.batch:
         batch = decode_batch(runner, BlockPool(runner.num_blocks, runner.options.block_size),
                              size, args.context)
-        inputs = runner._inputs(batch)
+        inputs = step_inputs(batch, runner.options.block_size, ATTN_ROWS // config.group_size)
         graph = runner.graphs.graph_for(inputs)
         if graph is None:
             raise SystemExit(f"no captured graph holds a decode batch of {size}")

@@ -150,7 +150,8 @@ def group_by_expert(ids: torch.Tensor, num_experts: int,
 #: The pairs a grouping program takes. The spread grouping's three launches against one
 #: program for every pair (whose work grew as pairs x experts) and torch's dozen: 4.0 /
 #: 5.7 / 45.5 us at 1 token, 12.7 / 111.5 / 79.8 at 256, 54.4 / 861.4 / 128.8 at 2,048
-#: (Qwen3-30B-A3B's 128 experts, 8 routed; H200, docs/gpu.md "Issue 25, fifth step").
+#: (Qwen3-30B-A3B's 128 experts, 8 routed; H200, docs/gpu.md "Issue 24, ninth step, and
+#: issue 25's fifth").
 GROUP_CHUNK = 64
 
 
